@@ -1,0 +1,135 @@
+"""Python wrappers of capuchin_tf's C++ ops (`cc/ops/capuchin_ops.cc`).
+
+The swap ops move a device tensor to capuchin_tf's host store and back:
+
+    handle = swap_out(x)                      # SWAPPING_OUT -> OUT; x's device buffer is freed once copied
+    handle = prefetch(handle)                 # OUT -> SWAPPING_IN -> IN, asynchronously
+    y = swap_in(handle, x.dtype, x.shape)     # y is x bit for bit; waits only if the prefetch is late
+
+Inside a `tf.function` these are graph nodes; order them with control dependencies (a control edge only means
+"not before", see tf-notes.md). Handles left unconsumed are released when their step ends.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import tensorflow as tf
+
+from capuchin_tf import _loader
+
+_ops = _loader.load()
+
+# The order of the HostStoreStats op's output (HostStoreCounters in cc/kernels/host_store.h).
+HOST_STORE_STAT_FIELDS = (
+    "host_bytes",
+    "peak_host_bytes",
+    "live_handles",
+    "swap_outs",
+    "swap_ins",
+    "bytes_out",
+    "bytes_in",
+    "late_prefetches",
+    "demand_swap_ins",
+    "wait_ns",
+    "released_unconsumed",
+    "failed_swap_ins",
+    "pool_bytes",
+)
+
+
+class HandleStatus(enum.IntEnum):
+    """Residency of a swapped tensor, as in the paper (plus UNKNOWN for consumed or never-issued handles)."""
+
+    UNKNOWN = -1
+    IN = 0
+    SWAPPING_OUT = 1
+    OUT = 2
+    SWAPPING_IN = 3
+
+
+def swap_out(tensor, name: str = "") -> tf.Tensor:
+    """Starts copying `tensor` to host memory; returns a scalar int64 handle."""
+    return _ops.capuchin_swap_out(tensor, tensor_name=name)
+
+
+def prefetch(handle) -> tf.Tensor:
+    """Starts bringing the tensor of `handle` back to the device; returns the handle."""
+    return _ops.capuchin_prefetch(handle)
+
+
+def swap_in(handle, dtype, shape=None) -> tf.Tensor:
+    """Returns the tensor of `handle` (consuming the handle). `shape` is its static shape, if known."""
+    dtype = tf.as_dtype(dtype)
+    shape = tf.TensorShape(shape)
+    return _ops.capuchin_swap_in(handle, dtype=dtype, shape=shape)
+
+
+def handle_status(handle) -> HandleStatus:
+    """The current residency of `handle` (eager only)."""
+    return HandleStatus(int(_ops.capuchin_handle_status(handle)))
+
+
+def release_handle(handle) -> bool:
+    """Drops `handle` without consuming it; False if it was unknown or already consumed."""
+    return bool(_ops.capuchin_release_handle(handle))
+
+
+def release_all_handles() -> int:
+    """Drops every live handle and frees the pooled host buffers; returns how many handles were dropped."""
+    return int(_ops.capuchin_release_all_handles())
+
+
+def host_store_stats() -> dict[str, int]:
+    """Host store statistics: bytes held and peak, copies and bytes per direction, late prefetches, ..."""
+    values = _ops.capuchin_host_store_stats().numpy().tolist()
+    return dict(zip(HOST_STORE_STAT_FIELDS, values))
+
+
+def reset_host_store_stats() -> None:
+    """Resets the host store's counters (the peak restarts from the bytes held now)."""
+    _ops.capuchin_reset_host_store_stats()
+
+
+def set_link_bandwidth(device_to_host: float = 0.0, host_to_device: float | None = None) -> None:
+    """Emulates a link of the given bytes/second per direction (0 = off, the default; one value sets both)."""
+    if host_to_device is None:
+        host_to_device = device_to_host
+    for name, value in (("device_to_host", device_to_host), ("host_to_device", host_to_device)):
+        if not np.isfinite(value) or value < 0:
+            raise ValueError(f"{name} bandwidth must be a finite number of bytes/s >= 0 (0 = off), got {value!r}")
+    _ops.capuchin_set_link_bandwidth(tf.constant(float(device_to_host), tf.float64),
+                                     tf.constant(float(host_to_device), tf.float64))
+
+
+def record_access(tensor, tensor_id: str, access_index: int = 0) -> tf.Tensor:
+    """Forwards `tensor` unchanged and records (tensor_id, access_index, time, device bytes in use)."""
+    return _ops.capuchin_record_access(tensor, tensor_id=tensor_id, access_index=access_index)
+
+
+def drain_access_records() -> dict[str, np.ndarray]:
+    """Every access recorded since the last drain, in recording order, as arrays.
+
+    Keys: `tensor_id` (str), `access_index`, `time_ns` (CLOCK_MONOTONIC, comparable with time.monotonic_ns()),
+    `bytes_in_use` (-1 where the allocator keeps no statistics).
+    """
+    ids, accesses, times, in_use = _ops.capuchin_drain_access_records()
+    return {
+        "tensor_id": np.array([s.decode() for s in ids.numpy().tolist()], dtype=object),
+        "access_index": accesses.numpy(),
+        "time_ns": times.numpy(),
+        "bytes_in_use": in_use.numpy(),
+    }
+
+
+def allocator_stats(device: str = "/device:CPU:0") -> dict[str, int | bool]:
+    """The device allocator's bytes in use, peak and limit (-1 if not tracked) and whether capuchin_tf wraps it."""
+    with tf.device(device):
+        in_use, peak, limit, wrapped = _ops.capuchin_allocator_stats()
+    return {
+        "bytes_in_use": int(in_use),
+        "peak_bytes_in_use": int(peak),
+        "bytes_limit": int(limit),
+        "wrapped": bool(wrapped),
+    }

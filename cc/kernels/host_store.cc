@@ -1,0 +1,414 @@
+#include "host_store.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/platform/mem.h"
+
+namespace tensorflow {
+namespace capuchin {
+namespace {
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+constexpr size_t kHostAlignment = 64;
+
+}  // namespace
+
+struct HostStore::Entry {
+  int64_t handle = 0;
+  std::string name;
+  DataType dtype = DT_INVALID;
+  TensorShape shape;
+  int64_t bytes = 0;
+  Residency state = Residency::kSwappingOut;
+  Tensor device;                     // the device tensor while IN, or the copy's source while SWAPPING_OUT
+  void* host = nullptr;              // the host copy while OUT or SWAPPING_IN
+  bool released = false;             // dropped while a copy was in flight: the worker frees what is left
+  bool prefetch_requested = false;   // a swap-in is wanted as soon as the swap-out finishes
+  Allocator* in_allocator = nullptr; // the device allocator the swap-in allocates from
+  SwapInCallback waiter;             // the SwapIn that claimed this handle and waits for it
+  int64_t wait_start_ns = 0;
+};
+
+HostStore* HostStore::Global() {
+  // Leaked on purpose: the copy workers run for the life of the process, and a static destructor racing with them
+  // at exit would be worse than the OS reclaiming the memory.
+  static HostStore* store = new HostStore();
+  return store;
+}
+
+HostStore::HostStore() {
+  int64_t cap_mb = 2048;
+  if (const char* env = std::getenv("CAPUCHIN_TF_HOST_POOL_MB")) cap_mb = std::max<int64_t>(0, std::atoll(env));
+  pool_cap_bytes_ = cap_mb << 20;
+  out_thread_ = std::thread([this] { RunOutWorker(); });
+  in_thread_ = std::thread([this] { RunInWorker(); });
+}
+
+absl::StatusOr<int64_t> HostStore::SwapOut(const Tensor& tensor, const std::string& name) {
+  if (!DataTypeCanUseMemcpy(tensor.dtype())) {
+    return errors::InvalidArgument("Capuchin>SwapOut cannot swap tensor '", name, "' of type ",
+                                   DataTypeString(tensor.dtype()), ": only plain numeric and bool types can be copied");
+  }
+  auto e = std::make_shared<Entry>();
+  e->name = name;
+  e->dtype = tensor.dtype();
+  e->shape = tensor.shape();
+  e->bytes = static_cast<int64_t>(tensor.TotalBytes());
+  e->device = tensor;
+  e->state = Residency::kSwappingOut;
+  std::lock_guard<std::mutex> lock(mu_);
+  e->handle = next_handle_++;
+  entries_.emplace(e->handle, e);
+  counters_.live_handles++;
+  out_queue_.push_back(e);
+  out_cv_.notify_one();
+  return e->handle;
+}
+
+void HostStore::EnqueueSwapIn(const std::shared_ptr<Entry>& e, Allocator* device_allocator) {
+  e->state = Residency::kSwappingIn;
+  e->in_allocator = device_allocator;
+  e->prefetch_requested = false;
+  in_queue_.push_back(e);
+  in_cv_.notify_one();
+}
+
+absl::Status HostStore::Prefetch(int64_t handle, Allocator* device_allocator) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(handle);
+  if (it == entries_.end()) {
+    return errors::InvalidArgument("Capuchin>Prefetch: unknown or already consumed handle ", handle);
+  }
+  Entry* e = it->second.get();
+  if (e->state == Residency::kOut) {
+    EnqueueSwapIn(it->second, device_allocator);
+  } else if (e->state == Residency::kSwappingOut) {
+    e->prefetch_requested = true;
+    e->in_allocator = device_allocator;
+  }
+  return absl::OkStatus();
+}
+
+void HostStore::SwapIn(int64_t handle, Allocator* device_allocator, DataType expected_dtype,
+                       const PartialTensorShape& expected_shape, SwapInCallback done) {
+  Tensor ready;
+  absl::Status error;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(handle);
+    if (it == entries_.end()) {
+      error = errors::InvalidArgument("Capuchin>SwapIn: unknown or already consumed handle ", handle);
+    } else {
+      Entry* e = it->second.get();
+      if (e->waiter) {
+        error = errors::InvalidArgument("Capuchin>SwapIn: handle ", handle, " ('", e->name,
+                                        "') is already being consumed by another SwapIn");
+      } else if (e->dtype != expected_dtype) {
+        error = errors::InvalidArgument("Capuchin>SwapIn: handle ", handle, " ('", e->name, "') holds ",
+                                        DataTypeString(e->dtype), ", not ", DataTypeString(expected_dtype));
+      } else if (expected_shape.IsFullyDefined() && !expected_shape.IsIdenticalTo(e->shape)) {
+        error = errors::InvalidArgument("Capuchin>SwapIn: handle ", handle, " ('", e->name, "') holds shape ",
+                                        e->shape.DebugString(), ", not ", expected_shape.DebugString());
+      } else {
+        bool deliver_now = false;
+        switch (e->state) {
+          case Residency::kIn:  // prefetched in time (or never left because host memory ran out)
+            ready = std::move(e->device);
+            deliver_now = true;
+            break;
+          case Residency::kSwappingIn:
+            counters_.late_prefetches++;
+            break;
+          case Residency::kSwappingOut:
+            if (e->prefetch_requested) {
+              counters_.late_prefetches++;
+            } else {
+              counters_.demand_swap_ins++;
+              e->prefetch_requested = true;
+              e->in_allocator = device_allocator;
+            }
+            break;
+          case Residency::kOut:
+            counters_.demand_swap_ins++;
+            EnqueueSwapIn(it->second, device_allocator);
+            break;
+        }
+        if (deliver_now) {
+          Erase(handle);  // may destroy the entry: `e` is not used after this
+        } else {
+          // Not back yet: the copy worker delivers it to `done`.
+          e->waiter = std::move(done);
+          e->wait_start_ns = NowNs();
+          return;
+        }
+      }
+    }
+  }
+  done(error, ready);
+}
+
+int32_t HostStore::Status(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(handle);
+  return it == entries_.end() ? -1 : static_cast<int32_t>(it->second->state);
+}
+
+bool HostStore::Release(int64_t handle) {
+  Tensor drop;
+  SwapInCallback waiter;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(handle);
+    if (it == entries_.end()) return false;
+    Entry* e = it->second.get();
+    switch (e->state) {
+      case Residency::kIn:
+        drop = std::move(e->device);
+        break;
+      case Residency::kOut:
+        FreeHostBuffer(e);
+        break;
+      case Residency::kSwappingOut:
+      case Residency::kSwappingIn:
+        e->released = true;  // the worker owns the buffers until its copy is done
+        break;
+    }
+    waiter = std::move(e->waiter);
+    counters_.released_unconsumed++;
+    Erase(handle);
+  }
+  if (waiter) waiter(errors::Cancelled("Capuchin: handle ", handle, " was released before it was swapped in"), Tensor());
+  return true;
+}
+
+int64_t HostStore::ReleaseAll() {
+  std::vector<int64_t> handles;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& kv : entries_) handles.push_back(kv.first);
+  }
+  int64_t n = 0;
+  for (int64_t h : handles) n += Release(h) ? 1 : 0;
+  TrimPool();
+  return n;
+}
+
+void HostStore::Erase(int64_t handle) {
+  if (entries_.erase(handle)) counters_.live_handles--;
+}
+
+void HostStore::FreeHostBuffer(Entry* e) {
+  if (e->host != nullptr) {
+    RecycleHost(e->host, e->bytes);
+    e->host = nullptr;
+    counters_.host_bytes -= e->bytes;
+  }
+}
+
+void* HostStore::AllocateHost(int64_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    auto it = pool_.find(bytes);
+    if (it != pool_.end()) {
+      void* buffer = it->second;
+      pool_.erase(it);
+      pool_bytes_ -= bytes;
+      return buffer;
+    }
+  }
+  return port::AlignedMalloc(bytes, kHostAlignment);
+}
+
+void HostStore::RecycleHost(void* buffer, int64_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    if (pool_bytes_ + bytes <= pool_cap_bytes_) {
+      pool_.emplace(bytes, buffer);
+      pool_bytes_ += bytes;
+      return;
+    }
+  }
+  port::AlignedFree(buffer);
+}
+
+void HostStore::TrimPool() {
+  std::lock_guard<std::mutex> lock(pool_mu_);
+  for (auto& kv : pool_) port::AlignedFree(kv.second);
+  pool_.clear();
+  pool_bytes_ = 0;
+}
+
+void HostStore::SleepForLink(double bps, int64_t bytes, int64_t start_ns) {
+  if (bps <= 0.0 || bytes <= 0) return;
+  const int64_t target_ns = start_ns + static_cast<int64_t>(static_cast<double>(bytes) / bps * 1e9);
+  std::this_thread::sleep_until(std::chrono::steady_clock::time_point(std::chrono::nanoseconds(target_ns)));
+}
+
+void HostStore::RunOutWorker() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    out_cv_.wait(lock, [this] { return !out_queue_.empty(); });
+    std::shared_ptr<Entry> e = std::move(out_queue_.front());
+    out_queue_.pop_front();
+    if (e->released) {  // dropped before its copy started
+      Tensor drop = std::move(e->device);
+      lock.unlock();
+      drop = Tensor();
+      lock.lock();
+      continue;
+    }
+    Tensor source = e->device;
+    const double bps = out_bps_;
+    lock.unlock();
+
+    const int64_t start = NowNs();
+    void* buffer = nullptr;
+    bool host_ok = true;
+    if (e->bytes > 0) {
+      buffer = AllocateHost(e->bytes);
+      host_ok = buffer != nullptr;
+      if (host_ok) std::memcpy(buffer, source.tensor_data().data(), e->bytes);
+    }
+    if (host_ok) SleepForLink(bps, e->bytes, start);
+    source = Tensor();
+
+    lock.lock();
+    Tensor drop;
+    if (!host_ok) {
+      // Host memory ran out: the tensor simply stays on the device (status IN); SwapIn hands it back unchanged.
+      LOG(WARNING) << "capuchin_tf: host allocation of " << e->bytes << " bytes failed; tensor '" << e->name
+                   << "' stays on the device";
+      e->state = Residency::kIn;
+      if (e->released) drop = std::move(e->device);
+    } else {
+      e->host = buffer;
+      counters_.host_bytes += e->bytes;
+      counters_.peak_host_bytes = std::max(counters_.peak_host_bytes, counters_.host_bytes);
+      counters_.swap_outs++;
+      counters_.bytes_out += e->bytes;
+      drop = std::move(e->device);
+      e->state = Residency::kOut;
+      if (e->released) {
+        FreeHostBuffer(e.get());
+      } else if (e->prefetch_requested) {
+        EnqueueSwapIn(e, e->in_allocator);
+      }
+    }
+    SwapInCallback waiter;
+    Tensor deliver;
+    if (e->state == Residency::kIn && e->waiter) {  // a SwapIn was waiting and the tensor never left
+      waiter = std::move(e->waiter);
+      deliver = std::move(drop);
+      counters_.wait_ns += NowNs() - e->wait_start_ns;
+      Erase(e->handle);
+    }
+    lock.unlock();
+    drop = Tensor();  // frees the device buffer outside the lock
+    if (waiter) waiter(absl::OkStatus(), deliver);
+    deliver = Tensor();
+    lock.lock();
+  }
+}
+
+void HostStore::RunInWorker() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    in_cv_.wait(lock, [this] { return !in_queue_.empty(); });
+    std::shared_ptr<Entry> e = std::move(in_queue_.front());
+    in_queue_.pop_front();
+    if (e->released) {
+      FreeHostBuffer(e.get());
+      continue;
+    }
+    Allocator* allocator = e->in_allocator;
+    const double bps = in_bps_;
+    const void* host = e->host;
+    lock.unlock();
+
+    const int64_t start = NowNs();
+    absl::Status status;
+    Tensor tensor;
+    if (e->bytes > 0) {
+      tensor = Tensor(allocator, e->dtype, e->shape);
+      if (!tensor.IsInitialized()) {
+        status = errors::ResourceExhausted("Capuchin>SwapIn: OOM when allocating ", e->bytes,
+                                           " bytes to bring back tensor '", e->name, "' (shape ",
+                                           e->shape.DebugString(), ") with allocator ", allocator->Name());
+        tensor = Tensor();
+      } else {
+        std::memcpy(const_cast<char*>(tensor.tensor_data().data()), host, e->bytes);
+        SleepForLink(bps, e->bytes, start);
+      }
+    } else {
+      tensor = Tensor(e->dtype, e->shape);
+    }
+
+    lock.lock();
+    Tensor drop;
+    SwapInCallback waiter;
+    Tensor deliver;
+    if (status.ok()) {
+      FreeHostBuffer(e.get());
+      counters_.swap_ins++;
+      counters_.bytes_in += e->bytes;
+      e->state = Residency::kIn;
+      if (e->released) {
+        drop = std::move(tensor);
+      } else if (e->waiter) {
+        waiter = std::move(e->waiter);
+        deliver = std::move(tensor);
+        counters_.wait_ns += NowNs() - e->wait_start_ns;
+        Erase(e->handle);
+      } else {
+        e->device = std::move(tensor);
+      }
+    } else {
+      counters_.failed_swap_ins++;
+      e->state = Residency::kOut;  // still on the host: a later SwapIn can try again
+      if (e->released) FreeHostBuffer(e.get());
+      if (e->waiter) {
+        waiter = std::move(e->waiter);
+        counters_.wait_ns += NowNs() - e->wait_start_ns;
+      }
+    }
+    lock.unlock();
+    drop = Tensor();
+    if (waiter) waiter(status, deliver);
+    deliver = Tensor();
+    lock.lock();
+  }
+}
+
+void HostStore::SetLinkBandwidth(double device_to_host_bps, double host_to_device_bps) {
+  std::lock_guard<std::mutex> lock(mu_);
+  out_bps_ = device_to_host_bps;
+  in_bps_ = host_to_device_bps;
+}
+
+HostStoreCounters HostStore::Counters() {
+  std::lock_guard<std::mutex> lock(mu_);
+  HostStoreCounters c = counters_;
+  std::lock_guard<std::mutex> pool_lock(pool_mu_);
+  c.pool_bytes = pool_bytes_;
+  return c;
+}
+
+void HostStore::ResetCounters() {
+  std::lock_guard<std::mutex> lock(mu_);
+  HostStoreCounters fresh;
+  fresh.host_bytes = counters_.host_bytes;
+  fresh.peak_host_bytes = counters_.host_bytes;
+  fresh.live_handles = counters_.live_handles;
+  counters_ = fresh;
+}
+
+}  // namespace capuchin
+}  // namespace tensorflow

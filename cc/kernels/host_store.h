@@ -1,0 +1,122 @@
+// The host store: swapped-out tensors kept in host memory, outside TensorFlow's device allocator.
+//
+// A handle names one swapped tensor. Its residency follows the paper's states:
+//
+//   SwapOut:   (device tensor) --SWAPPING_OUT--> OUT            (device buffer dropped when the copy is done)
+//   Prefetch:  OUT --SWAPPING_IN--> IN                          (device buffer allocated by the device allocator)
+//   SwapIn:    IN -> consumed (the tensor is handed to the op's consumers and the handle is erased)
+//
+// Copies run on two worker threads, one per direction, so that they overlap compute and serialize per direction the
+// way a GPU's two copy engines do. An optional link emulation makes each copy of N bytes take N / bandwidth seconds.
+// Every buffer is released on every path: when consumed, when the step that created the handle ends with the handle
+// unused (see StepHandles in swap_kernels.cc), or on ReleaseHandle / ReleaseAll.
+
+#ifndef CAPUCHIN_TF_CC_KERNELS_HOST_STORE_H_
+#define CAPUCHIN_TF_CC_KERNELS_HOST_STORE_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "tensorflow/core/framework/allocator.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/framework/types.h"
+
+namespace tensorflow {
+namespace capuchin {
+
+enum class Residency : int32_t { kIn = 0, kSwappingOut = 1, kOut = 2, kSwappingIn = 3 };
+
+// Counters of the store. The order is the order of the HostStoreStats op's output vector; keep it in sync with
+// HOST_STORE_STAT_FIELDS in capuchin_tf/ops.py.
+struct HostStoreCounters {
+  int64_t host_bytes = 0;            // bytes held in host buffers now
+  int64_t peak_host_bytes = 0;       // peak of host_bytes since the last reset
+  int64_t live_handles = 0;          // handles not yet consumed or released
+  int64_t swap_outs = 0;             // device-to-host copies finished
+  int64_t swap_ins = 0;              // host-to-device copies finished
+  int64_t bytes_out = 0;             // bytes copied device-to-host
+  int64_t bytes_in = 0;              // bytes copied host-to-device
+  int64_t late_prefetches = 0;       // SwapIn found its prefetch still running and waited
+  int64_t demand_swap_ins = 0;       // SwapIn found no prefetch started and swapped in on demand
+  int64_t wait_ns = 0;               // total time SwapIn ops waited for their tensor
+  int64_t released_unconsumed = 0;   // handles dropped without being consumed (step ended, explicit release)
+  int64_t failed_swap_ins = 0;       // swap-ins whose device allocation failed
+  int64_t pool_bytes = 0;            // freed host buffers kept for reuse (not counted in host_bytes)
+};
+
+class HostStore {
+ public:
+  using SwapInCallback = std::function<void(const absl::Status&, const Tensor&)>;
+
+  // The process-wide store (never destroyed: its worker threads live as long as the process).
+  static HostStore* Global();
+
+  // Registers `tensor` and queues its copy to host memory. Returns the new handle.
+  absl::StatusOr<int64_t> SwapOut(const Tensor& tensor, const std::string& name);
+
+  // Queues the swap-in of `handle` into memory from `device_allocator`. No-op when already coming back or back.
+  absl::Status Prefetch(int64_t handle, Allocator* device_allocator);
+
+  // Delivers the tensor of `handle` to `done` (at once when it is back, otherwise from the copy worker when it
+  // arrives, starting an on-demand swap-in when no prefetch was started) and consumes the handle.
+  // `expected_dtype` and `expected_shape` (if fully defined) are checked against what was stored.
+  void SwapIn(int64_t handle, Allocator* device_allocator, DataType expected_dtype,
+              const PartialTensorShape& expected_shape, SwapInCallback done);
+
+  // -1 when the handle is unknown or consumed.
+  int32_t Status(int64_t handle);
+
+  // Drops a handle without consuming it. False if unknown or already consumed.
+  bool Release(int64_t handle);
+  // Drops every handle and frees the host buffers kept for reuse.
+  int64_t ReleaseAll();
+
+  void SetLinkBandwidth(double device_to_host_bps, double host_to_device_bps);
+  HostStoreCounters Counters();
+  void ResetCounters();
+
+ private:
+  struct Entry;
+  struct Worker;
+
+  HostStore();
+  void RunOutWorker();
+  void RunInWorker();
+  void EnqueueSwapIn(const std::shared_ptr<Entry>& e, Allocator* device_allocator);  // mu_ held
+  void FreeHostBuffer(Entry* e);                                                     // mu_ held
+  // Host buffers are pooled by size: a training step swaps the same sizes every iteration, and reusing a buffer
+  // avoids the page faults of fresh memory, which otherwise halve the copy speed. The pool is capped at
+  // $CAPUCHIN_TF_HOST_POOL_MB MiB (default 2048).
+  void* AllocateHost(int64_t bytes);
+  void RecycleHost(void* buffer, int64_t bytes);
+  void TrimPool();
+  void SleepForLink(double bps, int64_t bytes, int64_t start_ns);
+  void Erase(int64_t handle);                                                        // mu_ held
+
+  std::mutex mu_;
+  std::condition_variable out_cv_, in_cv_;
+  std::unordered_map<int64_t, std::shared_ptr<Entry>> entries_;
+  std::deque<std::shared_ptr<Entry>> out_queue_, in_queue_;
+  int64_t next_handle_ = 1;
+  double out_bps_ = 0.0, in_bps_ = 0.0;
+  HostStoreCounters counters_;
+  std::thread out_thread_, in_thread_;
+  std::mutex pool_mu_;  // taken after mu_ when both are held
+  std::unordered_multimap<int64_t, void*> pool_;
+  int64_t pool_bytes_ = 0;
+  int64_t pool_cap_bytes_ = 0;
+};
+
+}  // namespace capuchin
+}  // namespace tensorflow
+
+#endif  // CAPUCHIN_TF_CC_KERNELS_HOST_STORE_H_

@@ -1,0 +1,206 @@
+// Kernels of the swap ops: SwapOut, Prefetch, SwapIn, HandleStatus, ReleaseHandle(s), host store statistics and the
+// link emulation switch. The state lives in HostStore (host_store.h); handles are ref-counted variants (SwapHandle).
+
+#include <mutex>
+#include <vector>
+
+#include "host_store.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/variant.h"
+#include "tensorflow/core/framework/variant_encode_decode.h"
+#include "tensorflow/core/framework/variant_tensor_data.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+
+namespace tensorflow {
+namespace capuchin {
+namespace {
+
+// The handle a SwapOut returns: a scalar variant sharing one guard. TensorFlow copies the variant along the edges
+// it flows on (Prefetch forwards it); when the last copy is destroyed (its consumers have run, the step failed or was
+// cancelled, or the Python object holding it was dropped) the guard releases the host store entry. Releasing a
+// consumed handle is a no-op, so this frees exactly the handles nobody swapped in, on every path.
+class HandleGuard {
+ public:
+  explicit HandleGuard(int64_t handle) : handle_(handle) {}
+  ~HandleGuard() { HostStore::Global()->Release(handle_); }
+  int64_t handle() const { return handle_; }
+
+ private:
+  const int64_t handle_;
+};
+
+struct SwapHandle {
+  static constexpr const char kTypeName[] = "capuchin_tf.SwapHandle";
+  std::shared_ptr<HandleGuard> guard;
+
+  std::string TypeName() const { return kTypeName; }
+  std::string DebugString() const { return absl::StrCat("SwapHandle(", guard ? guard->handle() : -1, ")"); }
+  // Handles are process-local: they can be carried through a graph but not serialized.
+  void Encode(VariantTensorData* data) const { data->set_type_name(TypeName()); }
+  bool Decode(const VariantTensorData& data) { return false; }
+};
+
+absl::Status ScalarHandle(OpKernelContext* ctx, int64_t* handle) {
+  const Tensor& t = ctx->input(0);
+  if (!TensorShapeUtils::IsScalar(t.shape())) {
+    return errors::InvalidArgument("handle must be a scalar, got shape ", t.shape().DebugString());
+  }
+  const SwapHandle* h = t.scalar<Variant>()().get<SwapHandle>();
+  if (h == nullptr || h->guard == nullptr) {
+    return errors::InvalidArgument("not a capuchin_tf swap handle: ", t.scalar<Variant>()().DebugString());
+  }
+  *handle = h->guard->handle();
+  return absl::OkStatus();
+}
+
+Allocator* DeviceAllocator(OpKernelContext* ctx) { return ctx->device()->GetAllocator(AllocatorAttributes()); }
+
+class SwapOutOp : public OpKernel {
+ public:
+  explicit SwapOutOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("tensor_name", &tensor_name_));
+    if (tensor_name_.empty()) tensor_name_ = name();
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    absl::StatusOr<int64_t> handle = HostStore::Global()->SwapOut(ctx->input(0), tensor_name_);
+    OP_REQUIRES_OK(ctx, handle.status());
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    SwapHandle h;
+    h.guard = std::make_shared<HandleGuard>(*handle);
+    out->scalar<Variant>()() = std::move(h);
+  }
+
+ private:
+  std::string tensor_name_;
+};
+
+class PrefetchOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    int64_t handle;
+    OP_REQUIRES_OK(ctx, ScalarHandle(ctx, &handle));
+    OP_REQUIRES_OK(ctx, HostStore::Global()->Prefetch(handle, DeviceAllocator(ctx)));
+    ctx->set_output(0, ctx->input(0));
+  }
+};
+
+class SwapInOp : public AsyncOpKernel {
+ public:
+  explicit SwapInOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dtype", &dtype_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shape", &shape_));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    int64_t handle;
+    OP_REQUIRES_OK_ASYNC(ctx, ScalarHandle(ctx, &handle), done);
+    HostStore::Global()->SwapIn(handle, DeviceAllocator(ctx), dtype_, shape_,
+                                [ctx, done](const absl::Status& status, const Tensor& tensor) {
+                                  if (status.ok()) {
+                                    ctx->set_output(0, tensor);
+                                  } else {
+                                    ctx->SetStatus(status);
+                                  }
+                                  done();
+                                });
+  }
+
+ private:
+  DataType dtype_;
+  PartialTensorShape shape_;
+};
+
+class HandleStatusOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    int64_t handle;
+    OP_REQUIRES_OK(ctx, ScalarHandle(ctx, &handle));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int32_t>()() = HostStore::Global()->Status(handle);
+  }
+};
+
+class ReleaseHandleOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    int64_t handle;
+    OP_REQUIRES_OK(ctx, ScalarHandle(ctx, &handle));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<bool>()() = HostStore::Global()->Release(handle);
+  }
+};
+
+class ReleaseAllHandlesOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = HostStore::Global()->ReleaseAll();
+  }
+};
+
+class HostStoreStatsOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    const HostStoreCounters c = HostStore::Global()->Counters();
+    const std::vector<int64_t> values = {c.host_bytes,      c.peak_host_bytes, c.live_handles,
+                                         c.swap_outs,       c.swap_ins,        c.bytes_out,
+                                         c.bytes_in,        c.late_prefetches, c.demand_swap_ins,
+                                         c.wait_ns,         c.released_unconsumed, c.failed_swap_ins,
+                                         c.pool_bytes};
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({static_cast<int64_t>(values.size())}), &out));
+    auto flat = out->flat<int64_t>();
+    for (size_t i = 0; i < values.size(); ++i) flat(i) = values[i];
+  }
+};
+
+class ResetHostStoreStatsOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override { HostStore::Global()->ResetCounters(); }
+};
+
+class SetLinkBandwidthOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    const double out_bps = ctx->input(0).scalar<double>()();
+    const double in_bps = ctx->input(1).scalar<double>()();
+    OP_REQUIRES(ctx, out_bps >= 0.0 && in_bps >= 0.0,
+                errors::InvalidArgument("link bandwidths must be >= 0 bytes/s (0 = no emulation), got ", out_bps,
+                                        " and ", in_bps));
+    HostStore::Global()->SetLinkBandwidth(out_bps, in_bps);
+  }
+};
+
+// All swap ops run on the device whose memory they manage. On a GPU build the same kernels would be registered for
+// the GPU with host-memory handles; this project targets the simulated device (design.md), i.e. CPU.
+REGISTER_KERNEL_BUILDER(Name("Capuchin>SwapOut").Device(DEVICE_CPU), SwapOutOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>Prefetch").Device(DEVICE_CPU), PrefetchOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>SwapIn").Device(DEVICE_CPU), SwapInOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>HandleStatus").Device(DEVICE_CPU), HandleStatusOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>ReleaseHandle").Device(DEVICE_CPU), ReleaseHandleOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>ReleaseAllHandles").Device(DEVICE_CPU), ReleaseAllHandlesOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>HostStoreStats").Device(DEVICE_CPU), HostStoreStatsOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>ResetHostStoreStats").Device(DEVICE_CPU), ResetHostStoreStatsOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>SetLinkBandwidth").Device(DEVICE_CPU), SetLinkBandwidthOp);
+
+}  // namespace
+}  // namespace capuchin
+}  // namespace tensorflow

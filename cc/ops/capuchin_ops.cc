@@ -1,0 +1,194 @@
+// Op definitions of capuchin_tf (interfaces and shape functions only; kernels live in cc/kernels/).
+//
+// Every op is namespaced "Capuchin>" and stateful: Grappler never prunes, merges, folds or moves a stateful op, which
+// is what swap, prefetch and timestamp nodes inserted into a training step need.
+
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tensorflow {
+namespace capuchin {
+
+using shape_inference::InferenceContext;
+using shape_inference::ShapeHandle;
+
+// Types whose bytes can be copied to host memory and back unchanged.
+#define CAPUCHIN_SWAPPABLE_TYPES \
+  "{half, bfloat16, float, double, int8, uint8, int16, uint16, int32, uint32, int64, uint64, bool, complex64, complex128}"
+
+REGISTER_OP("Capuchin>SwapOut")
+    .Input("tensor: T")
+    .Output("handle: variant")
+    .Attr("T: " CAPUCHIN_SWAPPABLE_TYPES)
+    .Attr("tensor_name: string = ''")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape)
+    .Doc(R"doc(
+Starts copying `tensor` to capuchin_tf's host store and returns a handle to it.
+
+The copy runs asynchronously on the store's device-to-host worker (one per direction, like a GPU's copy engines).
+Once it has finished the store drops its reference to the device buffer, so the device memory is freed as soon as
+no other consumer holds the tensor. The handle's status goes SWAPPING_OUT -> OUT.
+
+The handle is a reference-counted scalar variant: when the last tensor holding it is gone (the step ended,
+successfully or not, or the Python object was dropped) a handle that was never consumed is released with its
+buffers.
+
+tensor: the device tensor to evict.
+handle: a scalar variant handle for Capuchin>Prefetch, Capuchin>SwapIn and Capuchin>HandleStatus.
+tensor_name: name of the tensor being swapped, for diagnostics.
+)doc");
+
+REGISTER_OP("Capuchin>Prefetch")
+    .Input("handle: variant")
+    .Output("handle_out: variant")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Starts bringing a swapped-out tensor back to the device, asynchronously (status OUT -> SWAPPING_IN -> IN).
+
+Returns immediately. If the swap-out is still in flight, the swap-in is queued behind it. Prefetching a tensor that
+is already coming back or back is a no-op.
+
+handle: a handle from Capuchin>SwapOut.
+handle_out: the same handle, so that a consumer can be ordered after the prefetch started.
+)doc");
+
+REGISTER_OP("Capuchin>SwapIn")
+    .Input("handle: variant")
+    .Output("tensor: dtype")
+    .Attr("dtype: " CAPUCHIN_SWAPPABLE_TYPES)
+    .Attr("shape: shape = { unknown_rank: true }")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+      PartialTensorShape shape;
+      TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
+      ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shape, &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Returns the swapped-out tensor behind `handle` as a device tensor and consumes the handle.
+
+If a prefetch has finished, this costs nothing. If it is still running, the op waits for it (asynchronously, without
+holding a compute thread) and records a late prefetch. If no prefetch was started, the swap-in runs on demand.
+An already consumed handle, or a variant that is not a capuchin_tf handle, is an InvalidArgument error.
+
+handle: a handle from Capuchin>SwapOut.
+tensor: the tensor, bit for bit as it was swapped out.
+dtype: the type of the swapped tensor (checked against the stored one).
+shape: the static shape of the tensor, for shape inference only (checked against the stored one when fully defined).
+)doc");
+
+REGISTER_OP("Capuchin>HandleStatus")
+    .Input("handle: variant")
+    .Output("status: int32")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape)
+    .Doc(R"doc(
+The residency of a handle: 0 IN, 1 SWAPPING_OUT, 2 OUT, 3 SWAPPING_IN, -1 unknown or consumed.
+)doc");
+
+REGISTER_OP("Capuchin>ReleaseHandle")
+    .Input("handle: variant")
+    .Output("released: bool")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape)
+    .Doc(R"doc(
+Drops a handle without consuming it, freeing its host (or device) buffer. False if the handle was unknown.
+)doc");
+
+REGISTER_OP("Capuchin>ReleaseAllHandles")
+    .Output("released: int64")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape)
+    .Doc(R"doc(
+Drops every live handle of the host store (for example after eager use) and frees the host buffers it keeps for
+reuse. Returns how many handles were dropped.
+)doc");
+
+REGISTER_OP("Capuchin>HostStoreStats")
+    .Output("stats: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Statistics of the host store as a vector; capuchin_tf.ops.host_store_stats() names the fields.
+)doc");
+
+REGISTER_OP("Capuchin>ResetHostStoreStats")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Resets the host store's counters; the peak restarts from the bytes held now.
+)doc");
+
+REGISTER_OP("Capuchin>SetLinkBandwidth")
+    .Input("device_to_host_bytes_per_sec: double")
+    .Input("host_to_device_bytes_per_sec: double")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Sets the emulated link: each copy of N bytes in a direction takes at least N / bandwidth seconds, one copy at a time
+per direction, overlapping compute. 0 turns emulation off for that direction (the default).
+)doc");
+
+REGISTER_OP("Capuchin>RecordAccess")
+    .Input("tensor: T")
+    .Output("output: T")
+    .Attr("T: type")
+    .Attr("tensor_id: string")
+    .Attr("access_index: int = 0")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::UnchangedShape)
+    .Doc(R"doc(
+Forwards `tensor` unchanged (no copy) and records (tensor_id, access_index, time, device bytes in use) into the
+process-wide access buffer, drained by Capuchin>DrainAccessRecords.
+
+The time is CLOCK_MONOTONIC in nanoseconds (Python: time.monotonic_ns()).
+)doc");
+
+REGISTER_OP("Capuchin>DrainAccessRecords")
+    .Output("tensor_ids: string")
+    .Output("access_indices: int64")
+    .Output("timestamps_ns: int64")
+    .Output("bytes_in_use: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < 4; ++i) c->set_output(i, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Returns every access recorded since the last drain, in recording order, and empties the buffer.
+bytes_in_use is -1 where the device allocator keeps no statistics.
+)doc");
+
+REGISTER_OP("Capuchin>AllocatorStats")
+    .Output("bytes_in_use: int64")
+    .Output("peak_bytes_in_use: int64")
+    .Output("bytes_limit: int64")
+    .Output("wrapped: bool")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < 4; ++i) c->set_output(i, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Statistics of the allocator of the device this op runs on: bytes in use, peak and limit (-1 when the allocator keeps
+none, as the CPU allocator does unless TF_CPU_ALLOCATOR_USE_BFC=true), and whether it is capuchin_tf's allocator
+wrapper (false when capuchin_tf was loaded after TensorFlow had created its devices).
+)doc");
+
+}  // namespace capuchin
+}  // namespace tensorflow

@@ -1,0 +1,21 @@
+"""The one list of C++ sources of the op library `_capuchin_ops.so`.
+
+Read by Bazel (`cc/BUILD` loads it) and by `setup.py` (which evaluates this file as Python: keep it to plain list
+literals), so that both builds compile exactly the same files. Paths are relative to `cc/`.
+"""
+
+CAPUCHIN_OPS_SRCS = [
+    "ops/capuchin_ops.cc",
+    "kernels/host_store.cc",
+    "kernels/swap_kernels.cc",
+    "kernels/access_recorder.cc",
+    "kernels/recorder_kernels.cc",
+    "kernels/stats_kernels.cc",
+    "kernels/device_allocator.cc",
+]
+
+CAPUCHIN_OPS_HDRS = [
+    "kernels/host_store.h",
+    "kernels/access_recorder.h",
+    "kernels/device_allocator.h",
+]

@@ -1,0 +1,47 @@
+"""Test set-up: every test process runs on the simulated device (design.md).
+
+The BFC limit is fixed when TensorFlow starts, so it is set here, before anything imports TensorFlow. Tests that need
+another limit run their code in a fresh process (`run_on_simulated_device`).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+TEST_DEVICE_MB = 4096
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TF's oneDNN kernels can crash on an allocation failure instead of raising ResourceExhaustedError
+# (docs/decisions.md), so the simulated device always runs with them off.
+os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(TEST_DEVICE_MB)
+
+
+def run_on_simulated_device(code: str, limit_mb: int, timeout: float = 300.0, env: dict | None = None) -> dict:
+    """Runs `code` in a fresh Python process whose CPU:0 is a BFC allocator of `limit_mb` MiB.
+
+    The code must print one JSON object as its last line of standard output; that object is returned.
+    """
+    child_env = dict(os.environ)
+    child_env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(limit_mb)
+    child_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"child process failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    return json.loads(lines[-1])
+
+
+@pytest.fixture
+def simulated_device():
+    return run_on_simulated_device

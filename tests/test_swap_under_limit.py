@@ -1,0 +1,64 @@
+"""On the simulated device: a graph that runs out of memory without swapping runs with it, and gives the same bits."""
+
+import json
+
+import pytest
+
+GRAPH = """
+import json
+import numpy as np
+import tensorflow as tf
+import capuchin_tf
+
+N = 4 * 1024 * 1024          # 16 MiB float32 tensors
+HELD = 8                     # activations held until the end of the step
+
+@tf.function
+def step(x, swap):
+    acts, handles, after = [], [], []
+    a = x
+    for i in range(HELD):
+        with tf.control_dependencies(after):
+            a = tf.sin(a) + float(i)
+        if swap and i < HELD - 1:
+            handles.append(capuchin_tf.swap_out(a, name=f"a{i}"))
+            after = [handles[-1]]
+        else:
+            acts.append(a)
+    # The same accumulation in both modes, starting only after the whole forward chain: plain TensorFlow must hold
+    # every activation until then. (The ordering edges also keep Grappler from re-associating the sum.)
+    with tf.control_dependencies([a]):
+        total = tf.zeros_like(x)
+    held = [None] * len(handles) + acts
+    for i, a in enumerate(held):
+        with tf.control_dependencies([total]):
+            a = capuchin_tf.swap_in(handles[i], tf.float32, [N]) if a is None else tf.identity(a)
+        total = total + a * a
+    return total
+
+x = tf.random.stateless_uniform([N], seed=[1, 2])
+result = {}
+for swap in (MODES):
+    step.get_concrete_function(x, swap)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    try:
+        out = step(x, swap)
+        result[str(swap)] = {"ok": True, "sha": __import__("hashlib").sha256(out.numpy().tobytes()).hexdigest(),
+                             "peak": tf.config.experimental.get_memory_info("CPU:0")["peak"]}
+    except tf.errors.ResourceExhaustedError as e:
+        result[str(swap)] = {"ok": False, "error": "OOM when allocating" in str(e)}
+print(json.dumps(result))
+"""
+
+MiB = 1 << 20
+LIMIT_MB = 112
+
+
+def test_plain_runs_out_of_memory_and_the_swapped_graph_runs_bit_for_bit(simulated_device):
+    reference = simulated_device(GRAPH.replace("MODES", "False,"), limit_mb=1024)["False"]
+    assert reference["ok"] and reference["peak"] > LIMIT_MB * MiB
+    limited = simulated_device(GRAPH.replace("MODES", "False, True"), limit_mb=LIMIT_MB)
+    assert limited["False"] == {"ok": False, "error": True}, "plain TensorFlow must run out of memory"
+    assert limited["True"]["ok"], "the swapped graph must run under the same limit"
+    assert limited["True"]["peak"] <= LIMIT_MB * MiB
+    assert limited["True"]["sha"] == reference["sha"]
