@@ -36,6 +36,7 @@ HOST_STORE_STAT_FIELDS = (
     "released_unconsumed",
     "failed_swap_ins",
     "pool_bytes",
+    "pending_copies",
 )
 
 

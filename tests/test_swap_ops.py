@@ -23,9 +23,11 @@ def wait_until(predicate, timeout=30.0, interval=0.002):
 
 
 def wait_for_idle_store():
-    """Copies finish asynchronously: wait until the store holds nothing."""
+    """Copies finish asynchronously: wait until the store holds nothing and no copy is in flight."""
     assert wait_until(
-        lambda: (lambda s: s["live_handles"] == 0 and s["host_bytes"] == 0)(capuchin_tf.host_store_stats())
+        lambda: (lambda s: s["live_handles"] == 0 and s["host_bytes"] == 0 and s["pending_copies"] == 0)(
+            capuchin_tf.host_store_stats()
+        )
     ), capuchin_tf.host_store_stats()
 
 
@@ -216,7 +218,7 @@ def test_host_bytes_return_to_zero_after_many_steps():
     results = {float(step(x)) for _ in range(50)}
     assert len(results) == 1
     wait_for_idle_store()
-    assert wait_until(lambda: bfc_current() == before)
+    assert wait_until(lambda: bfc_current() == before), (before, bfc_current(), capuchin_tf.host_store_stats())
     after_stats = capuchin_tf.host_store_stats()
     assert after_stats["swap_outs"] - before_stats["swap_outs"] == 200
     assert after_stats["swap_ins"] - before_stats["swap_ins"] == 200
@@ -244,7 +246,7 @@ def test_a_failed_step_releases_its_handles():
     wait_for_idle_store()
     after_stats = capuchin_tf.host_store_stats()
     assert after_stats["released_unconsumed"] - before_stats["released_unconsumed"] == 3
-    assert wait_until(lambda: bfc_current() == before)
+    assert wait_until(lambda: bfc_current() == before), (before, bfc_current(), capuchin_tf.host_store_stats())
 
 
 def test_an_unused_handle_is_released_when_its_step_ends():

@@ -69,6 +69,7 @@ absl::StatusOr<int64_t> HostStore::SwapOut(const Tensor& tensor, const std::stri
   entries_.emplace(e->handle, e);
   counters_.live_handles++;
   out_queue_.push_back(e);
+  counters_.pending_copies++;
   out_cv_.notify_one();
   return e->handle;
 }
@@ -78,6 +79,7 @@ void HostStore::EnqueueSwapIn(const std::shared_ptr<Entry>& e, Allocator* device
   e->in_allocator = device_allocator;
   e->prefetch_requested = false;
   in_queue_.push_back(e);
+  counters_.pending_copies++;
   in_cv_.notify_one();
 }
 
@@ -263,6 +265,7 @@ void HostStore::RunOutWorker() {
       lock.unlock();
       drop = Tensor();
       lock.lock();
+      counters_.pending_copies--;
       continue;
     }
     Tensor source = e->device;
@@ -315,6 +318,7 @@ void HostStore::RunOutWorker() {
     if (waiter) waiter(absl::OkStatus(), deliver);
     deliver = Tensor();
     lock.lock();
+    counters_.pending_copies--;
   }
 }
 
@@ -326,6 +330,7 @@ void HostStore::RunInWorker() {
     in_queue_.pop_front();
     if (e->released) {
       FreeHostBuffer(e.get());
+      counters_.pending_copies--;
       continue;
     }
     Allocator* allocator = e->in_allocator;
@@ -384,6 +389,7 @@ void HostStore::RunInWorker() {
     if (waiter) waiter(status, deliver);
     deliver = Tensor();
     lock.lock();
+    counters_.pending_copies--;
   }
 }
 
@@ -407,6 +413,7 @@ void HostStore::ResetCounters() {
   fresh.host_bytes = counters_.host_bytes;
   fresh.peak_host_bytes = counters_.host_bytes;
   fresh.live_handles = counters_.live_handles;
+  fresh.pending_copies = counters_.pending_copies;
   counters_ = fresh;
 }
 

@@ -51,6 +51,7 @@ struct HostStoreCounters {
   int64_t released_unconsumed = 0;   // handles dropped without being consumed (step ended, explicit release)
   int64_t failed_swap_ins = 0;       // swap-ins whose device allocation failed
   int64_t pool_bytes = 0;            // freed host buffers kept for reuse (not counted in host_bytes)
+  int64_t pending_copies = 0;        // copies queued or running, including those of released handles
 };
 
 class HostStore {

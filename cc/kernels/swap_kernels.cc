@@ -161,7 +161,7 @@ class HostStoreStatsOp : public OpKernel {
                                          c.swap_outs,       c.swap_ins,        c.bytes_out,
                                          c.bytes_in,        c.late_prefetches, c.demand_swap_ins,
                                          c.wait_ns,         c.released_unconsumed, c.failed_swap_ins,
-                                         c.pool_bytes};
+                                         c.pool_bytes,      c.pending_copies};
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({static_cast<int64_t>(values.size())}), &out));
     auto flat = out->flat<int64_t>();
