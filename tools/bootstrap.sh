@@ -11,7 +11,8 @@
 #   3. configure.py (writes .bazelrc from tf.sysconfig), bazel build of the op library and the wheel,
 #      the wheel installed into .venv.
 # Without Bazel (no root, not Debian) it builds with setup.py and the system compiler instead, and says so.
-# Environment: PYTHON (default python3.11, else python3) picks the interpreter for the virtual environment.
+# Environment: PYTHON (default python3.11, else python3) picks the interpreter for the virtual environment;
+# CAPUCHIN_TF_NO_BAZEL=1 forces the setup.py build.
 set -euo pipefail
 
 action="${1:-setup}"
@@ -55,7 +56,10 @@ fi
 
 # --- 2. Bazel --------------------------------------------------------------------------------------------------
 use_bazel=1
-if ! command -v bazel >/dev/null; then
+if [ "${CAPUCHIN_TF_NO_BAZEL:-0}" = 1 ]; then
+  use_bazel=0
+  say "CAPUCHIN_TF_NO_BAZEL=1: building with setup.py instead of Bazel"
+elif ! command -v bazel >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && grep -qi debian /etc/os-release 2>/dev/null; then
     say "installing Bazel (Debian's bazel-bootstrap) with apt"
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bazel-bootstrap
