@@ -5,44 +5,21 @@ or by recomputing them, deciding per tensor from the access pattern measured at 
 
 Importing this package loads TensorFlow and capuchin_tf's op library, which installs capuchin_tf's device allocator
 wrapper; import it before running any TensorFlow op. See README.md and docs/.
+
+With the environment variable CAPUCHIN_TF_PURE=1 only the pure-Python layers are importable (graph model, trace,
+policy, simulator): nothing loads TensorFlow, so they can be used and tested on machines without it.
 """
 
+import os as _os
+
 from capuchin_tf._version import __version__
-from capuchin_tf import _loader
 
-_loader.load()
+PURE = _os.environ.get("CAPUCHIN_TF_PURE") == "1"
 
-from capuchin_tf import ops  # noqa: E402  (needs the library loaded above)
-from capuchin_tf.ops import (  # noqa: E402
-    HandleStatus,
-    allocator_stats,
-    drain_access_records,
-    handle_status,
-    host_store_stats,
-    prefetch,
-    record_access,
-    release_all_handles,
-    release_handle,
-    reset_host_store_stats,
-    set_link_bandwidth,
-    swap_in,
-    swap_out,
-)
+if not PURE:
+    from capuchin_tf._tf_api import *  # noqa: F401,F403  (loads TensorFlow and the op library)
+    from capuchin_tf._tf_api import __all__ as _tf_all
 
-__all__ = [
-    "__version__",
-    "HandleStatus",
-    "allocator_stats",
-    "drain_access_records",
-    "handle_status",
-    "host_store_stats",
-    "ops",
-    "prefetch",
-    "record_access",
-    "release_all_handles",
-    "release_handle",
-    "reset_host_store_stats",
-    "set_link_bandwidth",
-    "swap_in",
-    "swap_out",
-]
+    __all__ = ["__version__", *_tf_all]
+else:
+    __all__ = ["__version__"]

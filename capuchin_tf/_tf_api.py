@@ -1,0 +1,43 @@
+"""The TensorFlow-facing public API, re-exported by `capuchin_tf` (unless CAPUCHIN_TF_PURE=1).
+
+Importing this module loads TensorFlow and the op library (which installs the allocator wrapper: it must happen
+before TensorFlow's first op).
+"""
+
+from capuchin_tf import _loader
+
+_loader.load()
+
+from capuchin_tf import ops  # noqa: E402  (needs the library loaded above)
+from capuchin_tf.ops import (  # noqa: E402
+    HandleStatus,
+    allocator_stats,
+    drain_access_records,
+    handle_status,
+    host_store_stats,
+    prefetch,
+    record_access,
+    release_all_handles,
+    release_handle,
+    reset_host_store_stats,
+    set_link_bandwidth,
+    swap_in,
+    swap_out,
+)
+
+__all__ = [
+    "HandleStatus",
+    "allocator_stats",
+    "drain_access_records",
+    "handle_status",
+    "host_store_stats",
+    "ops",
+    "prefetch",
+    "record_access",
+    "release_all_handles",
+    "release_handle",
+    "reset_host_store_stats",
+    "set_link_bandwidth",
+    "swap_in",
+    "swap_out",
+]

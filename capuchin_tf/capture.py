@@ -1,0 +1,167 @@
+"""Capture: a user's training step as a graph, and its graph model. The one place that reads TensorFlow graphs.
+
+`concrete_step(fn, args)` gets the ConcreteFunction of a `tf.function` training step (forward, GradientTape
+gradients and optimizer updates are inline in one flat graph, tf-notes.md); `graph_model(graph_def, func_graph)`
+turns the post-optimization GraphDef (what the executor really runs) into the pure GraphModel, with sizes taken
+from the captured graph's static shapes.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+from tensorflow.python.eager import context
+from tensorflow.python.framework import op_def_registry
+
+from capuchin_tf.graph_model import GraphModel, OpInfo, Role, TensorInfo, tensor_id
+
+# Ops whose bodies run in nested functions: opaque to capuchin_tf, their inner tensors are not managed.
+CONTROL_FLOW_OPS = frozenset({
+    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall", "RemoteCall", "For",
+})
+# Ops whose outputs alias memory that outlives the step (arguments, variables, constants).
+PERSISTENT_PRODUCERS = frozenset({"_Arg", "Placeholder", "Const", "HostConst", "ReadVariableOp", "VarHandleOp",
+                                  "VariableV2", "ResourceGather"})
+BOOKKEEPING_OPS = frozenset({"_Arg", "_Retval", "NoOp", "Const", "HostConst", "ReadVariableOp", "VarHandleOp",
+                             "Identity", "IdentityN", "Placeholder", "Shape", "ShapeN", "Size", "Rank"})
+VARIABLE_WRITERS = ("AssignVariableOp", "AssignSubVariableOp", "AssignAddVariableOp", "ResourceApply",
+                    "ResourceScatter", "ResourceSparseApply")
+
+
+class CaptureError(ValueError):
+    """The step cannot be captured (not a tf.function, XLA-compiled, ...)."""
+
+
+def concrete_step(fn, args):
+    """The ConcreteFunction of `fn` for `args` (tensors or TensorSpecs)."""
+    if not hasattr(fn, "get_concrete_function"):
+        raise CaptureError(
+            f"{fn!r} is not a tf.function: wrap the training step with @tf.function (or @capuchin_tf.function)"
+        )
+    if getattr(fn, "_jit_compile", False):
+        raise CaptureError(
+            "the training step is compiled with XLA (jit_compile=True): capuchin_tf's custom ops cannot run under "
+            "XLA. Use jit_compile=False for the step capuchin_tf manages."
+        )
+    return fn.get_concrete_function(*args)
+
+
+def run_with_post_optimization_graph(call):
+    """Runs `call()` once with run metadata on; returns (its result, the post-optimization GraphDef it executed)."""
+    ctx = context.context()
+    ctx.enable_run_metadata()
+    try:
+        result = call()
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_run_metadata()
+    graphs = [fg.post_optimization_graph for fg in metadata.function_graphs]
+    if not graphs:
+        raise CaptureError("TensorFlow returned no function graph for the step (was it a tf.function call?)")
+    # The step's own graph is the largest one executed (nested control-flow bodies come separately).
+    return result, max(graphs, key=lambda g: len(g.node))
+
+
+def _num_outputs(node, op_def) -> int:
+    n = 0
+    for arg in op_def.output_arg:
+        if arg.number_attr:
+            n += node.attr[arg.number_attr].i
+        elif arg.type_list_attr:
+            n += len(node.attr[arg.type_list_attr].list.type)
+        else:
+            n += 1
+    return n
+
+
+def _output_dtypes(node, op_def) -> list[str]:
+    out = []
+    for arg in op_def.output_arg:
+        if arg.type_list_attr:
+            out += [tf.as_dtype(t).name for t in node.attr[arg.type_list_attr].list.type]
+            continue
+        if arg.type_attr:
+            dtype = tf.as_dtype(node.attr[arg.type_attr].type).name if arg.type_attr in node.attr else "unknown"
+        else:
+            dtype = tf.as_dtype(arg.type).name
+        count = node.attr[arg.number_attr].i if arg.number_attr else 1
+        out += [dtype] * count
+    return out
+
+
+def _normalize_input(name: str) -> str:
+    return name if ":" in name else f"{name}:0"
+
+
+def _role(node_name: str, op_type: str, optimizer_scopes: tuple[str, ...]) -> Role:
+    if node_name.startswith("gradient_tape/") or "/gradient_tape/" in node_name or node_name.startswith("gradients/"):
+        return Role.BACKWARD
+    if op_type.startswith(VARIABLE_WRITERS) or any(node_name.lower().startswith(s) for s in optimizer_scopes):
+        return Role.OPTIMIZER
+    if op_type in BOOKKEEPING_OPS:
+        return Role.OTHER
+    return Role.FORWARD
+
+
+def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
+                optimizer_scopes: tuple[str, ...] = ("sgd/", "adam/", "adamw/", "rmsprop/", "optimizer/")
+                ) -> GraphModel:
+    """The GraphModel of a post-optimization GraphDef. `func_graph` (the captured FuncGraph) supplies static shapes
+    for the nodes that kept their names (Grappler keeps names; a fused node is named after its last op)."""
+    nodes = list(graph_def.node)
+    consumers: dict[str, list[str]] = {}
+    for node in nodes:
+        for inp in node.input:
+            if not inp.startswith("^"):
+                consumers.setdefault(_normalize_input(inp), []).append(node.name)
+
+    ops, tensors = [], []
+    for node in nodes:
+        op_def = op_def_registry.get(node.op)
+        stateful = bool(op_def.is_stateful) if op_def is not None else True
+        if op_def is not None:
+            n_out = _num_outputs(node, op_def)
+            dtypes = _output_dtypes(node, op_def)
+        else:  # an op this process does not know: keep what its consumers tell
+            slots = [int(t.rsplit(":", 1)[1]) for t in consumers if t.rsplit(":", 1)[0] == node.name]
+            n_out = max(slots) + 1 if slots else 0
+            dtypes = ["unknown"] * n_out
+        graph_op = None
+        if func_graph is not None:
+            try:
+                graph_op = func_graph.get_operation_by_name(node.name)
+            except (KeyError, ValueError):
+                graph_op = None
+        outputs = []
+        for slot in range(n_out):
+            tid = tensor_id(node.name, slot)
+            shape, nbytes = None, -1
+            if graph_op is not None and slot < len(graph_op.outputs):
+                static = graph_op.outputs[slot].shape
+                if static.rank is not None:
+                    shape = tuple(-1 if d is None else int(d) for d in static.as_list())
+                    dtype = graph_op.outputs[slot].dtype
+                    if static.is_fully_defined() and dtype.is_numpy_compatible and dtype != tf.string:
+                        nbytes = int(static.num_elements()) * dtype.size
+            tensors.append(TensorInfo(
+                id=tid, op=node.name, dtype=dtypes[slot] if slot < len(dtypes) else "unknown", shape=shape,
+                nbytes=nbytes, consumers=tuple(consumers.get(tid, ())),
+                persistent=node.op in PERSISTENT_PRODUCERS,
+            ))
+            outputs.append(tid)
+        replayable = not stateful and node.op not in CONTROL_FLOW_OPS and node.op not in ("_Arg", "_Retval")
+        ops.append(OpInfo(
+            name=node.name, type=node.op,
+            inputs=tuple(_normalize_input(i) for i in node.input if not i.startswith("^")),
+            control_inputs=tuple(i[1:] for i in node.input if i.startswith("^")),
+            outputs=tuple(outputs), role=_role(node.name, node.op, optimizer_scopes),
+            stateful=stateful, replayable=replayable,
+        ))
+    # Inputs naming tensors of nodes that are not in this graph (should not happen in a post-optimization graph)
+    # would make the model inconsistent: drop them with the check.
+    known = {t.id for t in tensors}
+    ops = [o if all(i in known for i in o.inputs) else
+           OpInfo(o.name, o.type, tuple(i for i in o.inputs if i in known), o.control_inputs, o.outputs, o.role,
+                  o.stateful, o.replayable) for o in ops]
+    return GraphModel.build(ops, tensors)

@@ -1,0 +1,163 @@
+"""The graph model: a training step's ops and tensors as plain data. Pure Python: imports no TensorFlow.
+
+A tensor's id is the post-optimization node name and output slot, ``"node:slot"`` (Grappler renames nothing it
+keeps, and a fused node keeps the name of its last op), so that the same logical tensor is found again in later
+iterations. Each op carries its role in the step (forward, backward, optimizer) and whether replaying it reproduces
+its outputs exactly (needed before it may be recomputed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Iterable, Mapping
+
+SCHEMA_VERSION = 1
+
+
+class Role(str, enum.Enum):
+    """Where an op sits in a training step."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"  # gradient_tape/... and the like
+    OPTIMIZER = "optimizer"  # variable updates
+    OTHER = "other"  # inputs, constants, variable reads, bookkeeping
+
+
+def tensor_id(op_name: str, slot: int = 0) -> str:
+    """The id of output `slot` of op `op_name`."""
+    return f"{op_name}:{slot}"
+
+
+def split_tensor_id(tid: str) -> tuple[str, int]:
+    """("op", slot) from "op:slot"."""
+    op, _, slot = tid.rpartition(":")
+    if not op or not slot.isdigit():
+        raise ValueError(f"not a tensor id (expected 'op:slot'): {tid!r}")
+    return op, int(slot)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+    """One op of the step. `inputs` are tensor ids in input order; `control_inputs` are op names."""
+
+    name: str
+    type: str
+    inputs: tuple[str, ...] = ()
+    control_inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    role: Role = Role.OTHER
+    stateful: bool = False
+    # True when running the op again on the same inputs gives the same bits: not stateful, not an unseeded random
+    # op, not an opaque control-flow op. Only replayable ops may be recomputed.
+    replayable: bool = True
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["role"] = self.role.value
+        for k in ("inputs", "control_inputs", "outputs"):
+            d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "OpInfo":
+        return cls(
+            name=d["name"],
+            type=d["type"],
+            inputs=tuple(d.get("inputs", ())),
+            control_inputs=tuple(d.get("control_inputs", ())),
+            outputs=tuple(d.get("outputs", ())),
+            role=Role(d.get("role", "other")),
+            stateful=bool(d.get("stateful", False)),
+            replayable=bool(d.get("replayable", True)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the step. `nbytes` is what the tensor occupies (-1 when unknown)."""
+
+    id: str
+    op: str
+    dtype: str = "float32"
+    shape: tuple[int, ...] | None = None  # None: unknown rank; -1 entries: unknown dims
+    nbytes: int = -1
+    consumers: tuple[str, ...] = ()  # op names, in graph order
+    # Variables, optimizer slots and anything else that lives across steps; never a candidate.
+    persistent: bool = False
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shape"] = None if self.shape is None else list(self.shape)
+        d["consumers"] = list(self.consumers)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "TensorInfo":
+        shape = d.get("shape")
+        return cls(
+            id=d["id"],
+            op=d["op"],
+            dtype=d.get("dtype", "float32"),
+            shape=None if shape is None else tuple(shape),
+            nbytes=int(d.get("nbytes", -1)),
+            consumers=tuple(d.get("consumers", ())),
+            persistent=bool(d.get("persistent", False)),
+        )
+
+
+class GraphModelError(ValueError):
+    """The graph model is inconsistent (dangling tensor or op references)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphModel:
+    """Ops (in graph order) and tensors of one training step."""
+
+    ops: Mapping[str, OpInfo]
+    tensors: Mapping[str, TensorInfo]
+
+    @classmethod
+    def build(cls, ops: Iterable[OpInfo], tensors: Iterable[TensorInfo], check: bool = True) -> "GraphModel":
+        model = cls(ops={o.name: o for o in ops}, tensors={t.id: t for t in tensors})
+        if check:
+            model.check()
+        return model
+
+    def check(self) -> None:
+        """Raises GraphModelError if an op names an unknown tensor or a tensor an unknown op."""
+        for op in self.ops.values():
+            for t in op.inputs + op.outputs:
+                if t not in self.tensors:
+                    raise GraphModelError(f"op {op.name!r} names unknown tensor {t!r}")
+            for c in op.control_inputs:
+                if c not in self.ops:
+                    raise GraphModelError(f"op {op.name!r} has unknown control input {c!r}")
+        for t in self.tensors.values():
+            if t.op not in self.ops:
+                raise GraphModelError(f"tensor {t.id!r} is produced by unknown op {t.op!r}")
+            for c in t.consumers:
+                if c not in self.ops:
+                    raise GraphModelError(f"tensor {t.id!r} is consumed by unknown op {c!r}")
+
+    def producer(self, tid: str) -> OpInfo:
+        return self.ops[self.tensors[tid].op]
+
+    def consumers(self, tid: str) -> list[OpInfo]:
+        return [self.ops[c] for c in self.tensors[tid].consumers]
+
+    def transient_tensors(self) -> list[TensorInfo]:
+        return [t for t in self.tensors.values() if not t.persistent]
+
+    def to_json(self) -> dict:
+        return {
+            "ops": [o.to_json() for o in self.ops.values()],
+            "tensors": [t.to_json() for t in self.tensors.values()],
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "GraphModel":
+        return cls.build(
+            (OpInfo.from_json(o) for o in d["ops"]),
+            (TensorInfo.from_json(t) for t in d["tensors"]),
+        )

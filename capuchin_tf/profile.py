@@ -1,0 +1,132 @@
+"""The measured execution: run one real training step while recording its access pattern.
+
+`measure_step(step, args)` runs the step once, for real (its variable updates happen, exactly as in a plain step),
+under TensorFlow's profiler with run metadata on, and returns the step's outputs and its AccessTrace: every executed
+kernel with its measured start and duration (the profiler's host tracer), every allocation and free the device
+allocator made with the op that made it (the profiler's memory events), and the post-optimization graph the executor
+ran (run metadata). docs/decisions.md says why the profiler and not timestamp ops.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import platform
+import shutil
+import tempfile
+import time
+
+import tensorflow as tf
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+from capuchin_tf import capture
+from capuchin_tf.trace import AccessTrace
+from capuchin_tf.tracing import KernelEvent, MemoryEvent, assemble_trace
+
+DEVICE = "CPU:0"
+
+
+def _stat_value(stat, stat_metadata):
+    which = stat.WhichOneof("value")
+    if which == "ref_value":
+        return stat_metadata[stat.ref_value].name
+    return getattr(stat, which) if which else None
+
+
+def read_xspace(path: str) -> tuple[list[KernelEvent], list[MemoryEvent]]:
+    """Kernel and allocator events of the host plane of an XSpace file, times in ns on the profiler's clock."""
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    kernels, memory = [], []
+    for plane in space.planes:
+        if plane.name != "/host:CPU":
+            continue
+        md, sm = plane.event_metadata, plane.stat_metadata
+        for line in plane.lines:
+            base = line.timestamp_ns
+            for ev in line.events:
+                name = md[ev.metadata_id].name
+                start = base + ev.offset_ps // 1000
+                if name in ("MemoryAllocation", "MemoryDeallocation"):
+                    stats = {sm[s.metadata_id].name: _stat_value(s, sm) for s in ev.stats}
+                    memory.append(MemoryEvent(
+                        time=start, allocation=name == "MemoryAllocation", addr=int(stats.get("addr", 0)),
+                        nbytes=int(stats.get("allocation_bytes", 0)), requested=int(stats.get("requested_bytes", 0)),
+                        in_use_after=int(stats.get("bytes_allocated", -1)), op=str(stats.get("tf_op", "") or ""),
+                        region=str(stats.get("region_type", "") or ""),
+                    ))
+                elif line.name.startswith("tf_Compute") or line.name.startswith("tf_numa"):
+                    op, sep, op_type = name.rpartition(":")
+                    if sep and op and "::" not in name:
+                        kernels.append(KernelEvent(op, op_type, start, start + ev.duration_ps // 1000))
+    return kernels, memory
+
+
+def measure_step(step, args, *, budget_bytes: int | None = None, meta: dict | None = None,
+                 keep_profile: str | None = None):
+    """Runs `step(*args)` once as the measured execution. Returns (outputs, AccessTrace).
+
+    `step` is a tf.function training step; `args` its inputs (tensors). The step really runs: its updates happen.
+    """
+    capture.concrete_step(step, args)  # traces the function (and refuses jit_compile) before anything is measured
+    logdir = keep_profile or tempfile.mkdtemp(prefix="capuchin_profile_")
+    try:
+        persistent = tf.config.experimental.get_memory_info(DEVICE)["current"]
+        tf.config.experimental.reset_memory_stats(DEVICE)
+        options = tf.profiler.experimental.ProfilerOptions(host_tracer_level=2, python_tracer_level=0,
+                                                           device_tracer_level=0)
+        tf.profiler.experimental.start(logdir, options=options)
+        t0 = time.perf_counter()
+        try:
+            outputs, graph_def = capture.run_with_post_optimization_graph(lambda: step(*args))
+            wall = time.perf_counter() - t0
+        finally:
+            tf.profiler.experimental.stop()
+        peak = tf.config.experimental.get_memory_info(DEVICE)["peak"]
+        files = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            raise RuntimeError(f"the profiler wrote no XSpace under {logdir}")
+        kernels, memory = read_xspace(max(files, key=os.path.getmtime))
+    finally:
+        if keep_profile is None:
+            shutil.rmtree(logdir, ignore_errors=True)
+    model = capture.graph_model(graph_def, step.get_concrete_function(*args).graph)
+    info = dict(meta or {})
+    info.setdefault("tf_version", tf.__version__)
+    info.setdefault("date", time.strftime("%Y-%m-%d"))
+    info.setdefault("machine", {"cores": os.cpu_count(), "platform": platform.platform()})
+    info["measured_wall_s"] = wall
+    trace = assemble_trace(model, kernels, memory, peak_bytes=peak, persistent_bytes=persistent,
+                           budget_bytes=budget_bytes, meta=info)
+    return outputs, trace
+
+
+def plot_memory_curve(trace: AccessTrace, path: str, title: str = "") -> None:
+    """A PNG of the measured and replayed memory curves, with the peak window and the budget marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # an optional extra
+        raise RuntimeError("plotting needs matplotlib: pip install 'capuchin_tf[plot]' (or matplotlib)") from e
+    mib = float(1 << 20)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    mt, mb = zip(*trace.memory_curve)
+    ax.step(mt, [b / mib for b in mb], where="post", label="allocator (measured)", lw=1.2)
+    rt, rb = zip(*trace.replayed_curve())
+    ax.step(rt, [b / mib for b in rb], where="post", label="replayed from the trace", lw=1.0, ls="--")
+    w0, w1 = trace.peak_window()
+    ax.axvspan(w0, w1, color="orange", alpha=0.15, label="peak window")
+    ax.axhline(trace.persistent_bytes / mib, color="gray", lw=0.8, ls=":", label="persistent")
+    ax.axhline(trace.peak_bytes / mib, color="red", lw=0.8, ls=":", label=f"BFC peak {trace.peak_bytes / mib:.1f} MiB")
+    if trace.budget_bytes:
+        ax.axhline(trace.budget_bytes / mib, color="black", lw=1.2, label=f"budget {trace.budget_bytes / mib:.0f} MiB")
+    ax.set_xlabel("time in step (s, ideal timeline)")
+    ax.set_ylabel("device memory (MiB)")
+    ax.set_title(title or "capuchin_tf measured step")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
