@@ -37,6 +37,9 @@ HOST_STORE_STAT_FIELDS = (
     "failed_swap_ins",
     "pool_bytes",
     "pending_copies",
+    "passive_evictions",
+    "passive_evicted_bytes",
+    "passive_swap_ins",
 )
 
 
@@ -102,6 +105,28 @@ def set_link_bandwidth(device_to_host: float = 0.0, host_to_device: float | None
             raise ValueError(f"{name} bandwidth must be a finite number of bytes/s >= 0 (0 = off), got {value!r}")
     _ops.capuchin_set_link_bandwidth(tf.constant(float(device_to_host), tf.float64),
                                      tf.constant(float(host_to_device), tf.float64))
+
+
+def hold(tensor, name: str = "") -> tf.Tensor:
+    """Hands `tensor` to the tensor pool; returns a handle that `get` reads (passive mode can evict it)."""
+    return _ops.capuchin_hold(tensor, tensor_name=name)
+
+
+def get(handle, dtype, shape=None) -> tf.Tensor:
+    """The tensor of a `hold` handle (brought back first if passive mode evicted it); the handle stays valid."""
+    return _ops.capuchin_get(handle, dtype=tf.as_dtype(dtype), shape=tf.TensorShape(shape))
+
+
+def set_passive_mode(enabled: bool) -> None:
+    """Passive mode: when an allocation would fail, evict pooled tensors to host memory and retry."""
+    _ops.capuchin_set_passive_mode(tf.constant(bool(enabled)))
+
+
+def drain_stalls() -> dict[str, np.ndarray]:
+    """Stalls recorded since the last drain: `start_ns`, `end_ns` (CLOCK_MONOTONIC), `bytes`, `kind`
+    (0 passive eviction, 1 a get that brought an evicted tensor back)."""
+    starts, ends, nbytes, kinds = _ops.capuchin_drain_stalls()
+    return {"start_ns": starts.numpy(), "end_ns": ends.numpy(), "bytes": nbytes.numpy(), "kind": kinds.numpy()}
 
 
 def record_access(tensor, tensor_id: str, access_index: int = 0) -> tf.Tensor:

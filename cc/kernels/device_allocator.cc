@@ -1,5 +1,7 @@
 #include "device_allocator.h"
 
+#include "host_store.h"
+
 #include <memory>
 #include <mutex>
 
@@ -68,7 +70,17 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes) {
 }
 
 void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const AllocationAttributes& attr) {
-  void* ptr = base_->AllocateRaw(alignment, num_bytes, attr);
+  void* ptr = nullptr;
+  if (HostStore::Global()->passive()) {
+    // Passive mode (the paper's on-demand eviction): try without the allocator's own wait-and-retry; on failure
+    // evict pooled tensors that nobody else holds, and try again while eviction frees something.
+    AllocationAttributes no_retry(false, attr.allocation_will_be_logged, attr.freed_by_func);
+    ptr = base_->AllocateRaw(alignment, num_bytes, no_retry);
+    while (ptr == nullptr && HostStore::Global()->EvictFor(static_cast<int64_t>(num_bytes)) > 0) {
+      ptr = base_->AllocateRaw(alignment, num_bytes, no_retry);
+    }
+  }
+  if (ptr == nullptr) ptr = base_->AllocateRaw(alignment, num_bytes, attr);
   if (ptr != nullptr) allocations_.fetch_add(1, std::memory_order_relaxed);
   return ptr;
 }

@@ -35,6 +35,7 @@ struct HostStore::Entry {
   Allocator* in_allocator = nullptr; // the device allocator the swap-in allocates from
   SwapInCallback waiter;             // the SwapIn that claimed this handle and waits for it
   int64_t wait_start_ns = 0;
+  bool pooled = false;               // made by Hold: read by Get, evictable by passive mode
 };
 
 HostStore* HostStore::Global() {
@@ -110,7 +111,10 @@ void HostStore::SwapIn(int64_t handle, Allocator* device_allocator, DataType exp
       error = errors::InvalidArgument("Capuchin>SwapIn: unknown or already consumed handle ", handle);
     } else {
       Entry* e = it->second.get();
-      if (e->waiter) {
+      if (e->pooled) {
+        error = errors::InvalidArgument("Capuchin>SwapIn: handle ", handle, " ('", e->name,
+                                        "') is a pool handle (Capuchin>Hold): read it with Capuchin>Get");
+      } else if (e->waiter) {
         error = errors::InvalidArgument("Capuchin>SwapIn: handle ", handle, " ('", e->name,
                                         "') is already being consumed by another SwapIn");
       } else if (e->dtype != expected_dtype) {
@@ -157,6 +161,130 @@ void HostStore::SwapIn(int64_t handle, Allocator* device_allocator, DataType exp
   done(error, ready);
 }
 
+int64_t HostStore::Hold(const Tensor& tensor, const std::string& name) {
+  auto e = std::make_shared<Entry>();
+  e->name = name;
+  e->dtype = tensor.dtype();
+  e->shape = tensor.shape();
+  e->bytes = static_cast<int64_t>(tensor.TotalBytes());
+  e->device = tensor;
+  e->state = Residency::kIn;
+  e->pooled = true;
+  std::lock_guard<std::mutex> lock(mu_);
+  e->handle = next_handle_++;
+  entries_.emplace(e->handle, e);
+  hold_order_.push_back(e->handle);
+  counters_.live_handles++;
+  return e->handle;
+}
+
+absl::Status HostStore::Get(int64_t handle, Allocator* device_allocator, DataType expected_dtype, Tensor* out) {
+  std::shared_ptr<Entry> e;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(handle);
+    if (it == entries_.end() || !it->second->pooled) {
+      return errors::InvalidArgument("Capuchin>Get: unknown or released pool handle ", handle);
+    }
+    e = it->second;
+    if (e->dtype != expected_dtype) {
+      return errors::InvalidArgument("Capuchin>Get: handle ", handle, " ('", e->name, "') holds ",
+                                     DataTypeString(e->dtype), ", not ", DataTypeString(expected_dtype));
+    }
+    if (e->state == Residency::kIn) {
+      *out = e->device;
+      return absl::OkStatus();
+    }
+    e->state = Residency::kSwappingIn;  // claimed: eviction skips it, a concurrent Get waits below
+  }
+  // Evicted: bring it back synchronously (the paper's access failure). Allocate outside the lock: the allocation
+  // may itself evict other pooled tensors.
+  const int64_t start = NowNs();
+  Tensor tensor(device_allocator, e->dtype, e->shape);
+  if (e->bytes > 0 && !tensor.IsInitialized()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    e->state = Residency::kOut;
+    counters_.failed_swap_ins++;
+    return errors::ResourceExhausted("Capuchin>Get: OOM when allocating ", e->bytes, " bytes to bring back '",
+                                     e->name, "' with allocator ", device_allocator->Name());
+  }
+  if (e->bytes > 0) std::memcpy(const_cast<char*>(tensor.tensor_data().data()), e->host, e->bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  FreeHostBuffer(e.get());
+  e->device = tensor;
+  e->state = Residency::kIn;
+  counters_.passive_swap_ins++;
+  counters_.swap_ins++;
+  counters_.bytes_in += e->bytes;
+  stalls_.push_back(Stall{start, NowNs(), e->bytes, 1});
+  *out = std::move(tensor);
+  return absl::OkStatus();
+}
+
+int64_t HostStore::EvictFor(int64_t bytes_needed) {
+  const int64_t start = NowNs();
+  std::vector<std::shared_ptr<Entry>> chosen;
+  std::vector<Tensor> drop;
+  int64_t freed = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // The paper scans the access list from its start for tensors of about the needed size: first the oldest
+    // evictable tensor at least as large as the need (and at most twice it), else the oldest ones until enough.
+    std::vector<std::shared_ptr<Entry>> evictable;
+    std::deque<int64_t> kept;
+    for (int64_t h : hold_order_) {
+      auto it = entries_.find(h);
+      if (it == entries_.end()) continue;  // released: forget it
+      kept.push_back(h);
+      Entry* e = it->second.get();
+      if (e->state == Residency::kIn && e->bytes > 0 && e->device.RefCountIsOne()) evictable.push_back(it->second);
+    }
+    hold_order_.swap(kept);
+    for (const auto& e : evictable) {
+      if (e->bytes >= bytes_needed && e->bytes <= 2 * bytes_needed) {
+        chosen.push_back(e);
+        freed = e->bytes;
+        break;
+      }
+    }
+    if (chosen.empty()) {
+      for (const auto& e : evictable) {
+        if (freed >= bytes_needed) break;
+        chosen.push_back(e);
+        freed += e->bytes;
+      }
+    }
+    for (const auto& e : chosen) {
+      void* buffer = AllocateHost(e->bytes);
+      if (buffer == nullptr) {
+        freed -= e->bytes;
+        continue;
+      }
+      std::memcpy(buffer, e->device.tensor_data().data(), e->bytes);
+      e->host = buffer;
+      counters_.host_bytes += e->bytes;
+      counters_.peak_host_bytes = std::max(counters_.peak_host_bytes, counters_.host_bytes);
+      counters_.swap_outs++;
+      counters_.bytes_out += e->bytes;
+      counters_.passive_evictions++;
+      counters_.passive_evicted_bytes += e->bytes;
+      drop.push_back(std::move(e->device));
+      e->device = Tensor();
+      e->state = Residency::kOut;
+    }
+    if (freed > 0) stalls_.push_back(Stall{start, NowNs(), freed, 0});
+  }
+  drop.clear();  // frees the device buffers, outside the lock
+  return freed;
+}
+
+std::vector<Stall> HostStore::DrainStalls() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Stall> out;
+  out.swap(stalls_);
+  return out;
+}
+
 int32_t HostStore::Status(int64_t handle) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(handle);
@@ -184,7 +312,7 @@ bool HostStore::Release(int64_t handle) {
         break;
     }
     waiter = std::move(e->waiter);
-    counters_.released_unconsumed++;
+    if (!e->pooled) counters_.released_unconsumed++;  // a pool handle ends this way normally
     Erase(handle);
   }
   if (waiter) waiter(errors::Cancelled("Capuchin: handle ", handle, " was released before it was swapped in"), Tensor());

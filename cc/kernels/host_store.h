@@ -14,6 +14,7 @@
 #ifndef CAPUCHIN_TF_CC_KERNELS_HOST_STORE_H_
 #define CAPUCHIN_TF_CC_KERNELS_HOST_STORE_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -52,6 +53,17 @@ struct HostStoreCounters {
   int64_t failed_swap_ins = 0;       // swap-ins whose device allocation failed
   int64_t pool_bytes = 0;            // freed host buffers kept for reuse (not counted in host_bytes)
   int64_t pending_copies = 0;        // copies queued or running, including those of released handles
+  int64_t passive_evictions = 0;     // tensors passive mode evicted
+  int64_t passive_evicted_bytes = 0; // their bytes
+  int64_t passive_swap_ins = 0;      // Gets that brought an evicted tensor back
+};
+
+// A time interval the step spent waiting on the host store (removed from the ideal timeline).
+struct Stall {
+  int64_t start_ns = 0;  // CLOCK_MONOTONIC
+  int64_t end_ns = 0;
+  int64_t bytes = 0;
+  int32_t kind = 0;  // 0: passive eviction, 1: a Get brought an evicted tensor back
 };
 
 class HostStore {
@@ -72,6 +84,16 @@ class HostStore {
   // `expected_dtype` and `expected_shape` (if fully defined) are checked against what was stored.
   void SwapIn(int64_t handle, Allocator* device_allocator, DataType expected_dtype,
               const PartialTensorShape& expected_shape, SwapInCallback done);
+
+  // The tensor pool (passive mode). Hold registers a device tensor (status IN) that Get returns without consuming
+  // the handle; EvictFor, called by the allocator wrapper when an allocation fails, copies pooled tensors that
+  // nobody else references to host memory (synchronously) and drops their device buffers.
+  int64_t Hold(const Tensor& tensor, const std::string& name);
+  absl::Status Get(int64_t handle, Allocator* device_allocator, DataType expected_dtype, Tensor* out);
+  int64_t EvictFor(int64_t bytes_needed);
+  void SetPassive(bool enabled) { passive_.store(enabled); }
+  bool passive() const { return passive_.load(); }
+  std::vector<Stall> DrainStalls();
 
   // -1 when the handle is unknown or consumed.
   int32_t Status(int64_t handle);
@@ -111,6 +133,9 @@ class HostStore {
   double out_bps_ = 0.0, in_bps_ = 0.0;
   HostStoreCounters counters_;
   std::thread out_thread_, in_thread_;
+  std::atomic<bool> passive_{false};
+  std::vector<Stall> stalls_;
+  std::deque<int64_t> hold_order_;  // pooled handles in hold order (may name released ones: skipped)
   std::mutex pool_mu_;  // taken after mu_ when both are held
   std::unordered_multimap<int64_t, void*> pool_;
   int64_t pool_bytes_ = 0;

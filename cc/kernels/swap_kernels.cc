@@ -76,6 +76,69 @@ class SwapOutOp : public OpKernel {
   std::string tensor_name_;
 };
 
+class HoldOp : public OpKernel {
+ public:
+  explicit HoldOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("tensor_name", &tensor_name_));
+    if (tensor_name_.empty()) tensor_name_ = name();
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const int64_t handle = HostStore::Global()->Hold(ctx->input(0), tensor_name_);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    SwapHandle h;
+    h.guard = std::make_shared<HandleGuard>(handle);
+    out->scalar<Variant>()() = std::move(h);
+  }
+
+ private:
+  std::string tensor_name_;
+};
+
+class GetOp : public OpKernel {
+ public:
+  explicit GetOp(OpKernelConstruction* ctx) : OpKernel(ctx) { OP_REQUIRES_OK(ctx, ctx->GetAttr("dtype", &dtype_)); }
+
+  void Compute(OpKernelContext* ctx) override {
+    int64_t handle;
+    OP_REQUIRES_OK(ctx, ScalarHandle(ctx, &handle));
+    Tensor tensor;
+    OP_REQUIRES_OK(ctx, HostStore::Global()->Get(handle, DeviceAllocator(ctx), dtype_, &tensor));
+    ctx->set_output(0, tensor);
+  }
+
+ private:
+  DataType dtype_;
+};
+
+class SetPassiveModeOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override { HostStore::Global()->SetPassive(ctx->input(0).scalar<bool>()()); }
+};
+
+class DrainStallsOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    const std::vector<Stall> stalls = HostStore::Global()->DrainStalls();
+    const int64_t n = static_cast<int64_t>(stalls.size());
+    Tensor *starts, *ends, *bytes, *kinds;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &starts));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &ends));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({n}), &bytes));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({n}), &kinds));
+    for (int64_t i = 0; i < n; ++i) {
+      starts->flat<int64_t>()(i) = stalls[i].start_ns;
+      ends->flat<int64_t>()(i) = stalls[i].end_ns;
+      bytes->flat<int64_t>()(i) = stalls[i].bytes;
+      kinds->flat<int32_t>()(i) = stalls[i].kind;
+    }
+  }
+};
+
 class PrefetchOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -161,7 +224,8 @@ class HostStoreStatsOp : public OpKernel {
                                          c.swap_outs,       c.swap_ins,        c.bytes_out,
                                          c.bytes_in,        c.late_prefetches, c.demand_swap_ins,
                                          c.wait_ns,         c.released_unconsumed, c.failed_swap_ins,
-                                         c.pool_bytes,      c.pending_copies};
+                                         c.pool_bytes,      c.pending_copies,  c.passive_evictions,
+                                         c.passive_evicted_bytes, c.passive_swap_ins};
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({static_cast<int64_t>(values.size())}), &out));
     auto flat = out->flat<int64_t>();
@@ -193,6 +257,10 @@ class SetLinkBandwidthOp : public OpKernel {
 // the GPU with host-memory handles; this project targets the simulated device (design.md), i.e. CPU.
 REGISTER_KERNEL_BUILDER(Name("Capuchin>SwapOut").Device(DEVICE_CPU), SwapOutOp);
 REGISTER_KERNEL_BUILDER(Name("Capuchin>Prefetch").Device(DEVICE_CPU), PrefetchOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>Hold").Device(DEVICE_CPU), HoldOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>Get").Device(DEVICE_CPU), GetOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>SetPassiveMode").Device(DEVICE_CPU), SetPassiveModeOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>DrainStalls").Device(DEVICE_CPU), DrainStallsOp);
 REGISTER_KERNEL_BUILDER(Name("Capuchin>SwapIn").Device(DEVICE_CPU), SwapInOp);
 REGISTER_KERNEL_BUILDER(Name("Capuchin>HandleStatus").Device(DEVICE_CPU), HandleStatusOp);
 REGISTER_KERNEL_BUILDER(Name("Capuchin>ReleaseHandle").Device(DEVICE_CPU), ReleaseHandleOp);

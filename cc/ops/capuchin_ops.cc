@@ -144,6 +144,66 @@ Sets the emulated link: each copy of N bytes in a direction takes at least N / b
 per direction, overlapping compute. 0 turns emulation off for that direction (the default).
 )doc");
 
+REGISTER_OP("Capuchin>Hold")
+    .Input("tensor: T")
+    .Output("handle: variant")
+    .Attr("T: " CAPUCHIN_SWAPPABLE_TYPES)
+    .Attr("tensor_name: string = ''")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape)
+    .Doc(R"doc(
+Hands `tensor` to capuchin_tf's tensor pool (status IN) and returns a handle; later consumers read it through
+Capuchin>Get. Once its other consumers have run, the pool holds the only reference, so that passive mode can evict
+it to host memory when an allocation would fail (the paper's passive mode), freeing device memory for real.
+The handle is released, with its buffers, when the last tensor holding it is gone.
+)doc");
+
+REGISTER_OP("Capuchin>Get")
+    .Input("handle: variant")
+    .Output("tensor: dtype")
+    .Attr("dtype: " CAPUCHIN_SWAPPABLE_TYPES)
+    .Attr("shape: shape = { unknown_rank: true }")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+      PartialTensorShape shape;
+      TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
+      ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shape, &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Returns the tensor of a Capuchin>Hold handle without consuming the handle. If passive mode evicted it, it is
+brought back synchronously first (the paper's access failure), and the wait is recorded as a stall.
+)doc");
+
+REGISTER_OP("Capuchin>SetPassiveMode")
+    .Input("enabled: bool")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Turns passive mode on or off: when on, an allocation that would fail makes the device allocator wrapper evict
+tensors that only the pool holds (oldest hold first, preferring one of about the needed size) to host memory, and
+retry.
+)doc");
+
+REGISTER_OP("Capuchin>DrainStalls")
+    .Output("starts_ns: int64")
+    .Output("ends_ns: int64")
+    .Output("bytes: int64")
+    .Output("kinds: int32")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < 4; ++i) c->set_output(i, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Every stall recorded since the last drain (CLOCK_MONOTONIC ns): kind 0 a passive eviction (inside an allocation),
+kind 1 a Get that brought an evicted tensor back. Empties the log.
+)doc");
+
 REGISTER_OP("Capuchin>RecordAccess")
     .Input("tensor: T")
     .Output("output: T")

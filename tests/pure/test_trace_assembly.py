@@ -1,0 +1,141 @@
+"""Trace assembly and the trace data model on synthetic events: no TensorFlow."""
+
+import json
+
+import pytest
+
+from capuchin_tf.graph_model import GraphModel, GraphModelError, OpInfo, Role, TensorInfo
+from capuchin_tf.trace import AccessTrace, TraceError
+from capuchin_tf.tracing import KernelEvent, MemoryEvent, assemble_trace
+
+MB = 1 << 20
+
+
+def chain_graph():
+    """x -> a = f(x) -> b = relu(a) (forwards a's buffer) -> loss; backward reads b and a's view."""
+    ops = [
+        OpInfo("x", "_Arg", (), (), ("x:0",), Role.OTHER, stateful=False, replayable=False),
+        OpInfo("a", "MatMul", ("x:0",), (), ("a:0",), Role.FORWARD),
+        OpInfo("b", "Relu", ("a:0",), (), ("b:0",), Role.FORWARD),
+        OpInfo("loss", "Sum", ("b:0",), (), ("loss:0",), Role.FORWARD),
+        OpInfo("gradient_tape/g", "ReluGrad", ("loss:0", "b:0"), (), ("gradient_tape/g:0",), Role.BACKWARD),
+        OpInfo("gradient_tape/h", "Mul", ("gradient_tape/g:0", "b:0"), (), ("gradient_tape/h:0",), Role.BACKWARD),
+    ]
+    tensors = [
+        TensorInfo("x:0", "x", nbytes=2 * MB, consumers=("a",), persistent=True),
+        TensorInfo("a:0", "a", nbytes=4 * MB, consumers=("b",)),
+        TensorInfo("b:0", "b", nbytes=4 * MB, consumers=("loss", "gradient_tape/g", "gradient_tape/h")),
+        TensorInfo("loss:0", "loss", nbytes=4, consumers=("gradient_tape/g",)),
+        TensorInfo("gradient_tape/g:0", "gradient_tape/g", nbytes=4 * MB, consumers=("gradient_tape/h",)),
+        TensorInfo("gradient_tape/h:0", "gradient_tape/h", nbytes=4 * MB),
+    ]
+    return GraphModel.build(ops, tensors)
+
+
+def chain_events():
+    us = 1000  # ns
+    k = [
+        KernelEvent("x", "_Arg", 0, 1 * us),
+        KernelEvent("a", "MatMul", 10 * us, 110 * us),
+        KernelEvent("b", "Relu", 120 * us, 150 * us),
+        KernelEvent("loss", "Sum", 160 * us, 170 * us),
+        KernelEvent("gradient_tape/g", "ReluGrad", 180 * us, 230 * us),
+        KernelEvent("gradient_tape/h", "Mul", 240 * us, 300 * us),
+    ]
+    base = 2 * MB
+    m = [
+        MemoryEvent(12 * us, True, 0xA, 4 * MB, 4 * MB, base + 4 * MB, "a", "output"),
+        # b forwards a's buffer: no allocation
+        MemoryEvent(162 * us, True, 0xB, 256, 4, base + 4 * MB + 256, "loss", "output"),
+        MemoryEvent(165 * us, True, 0xC, 1 * MB, 1 * MB, base + 5 * MB + 256, "loss", "temp"),
+        MemoryEvent(168 * us, False, 0xC, 1 * MB, 1 * MB, base + 4 * MB + 256),
+        MemoryEvent(182 * us, True, 0xD, 4 * MB, 4 * MB, base + 8 * MB + 256, "gradient_tape/g", "output"),
+        MemoryEvent(232 * us, False, 0xB, 256, 4, base + 8 * MB),
+        MemoryEvent(242 * us, True, 0xE, 4 * MB, 4 * MB, base + 12 * MB, "gradient_tape/h", "output"),
+        MemoryEvent(299 * us, False, 0xA, 4 * MB, 4 * MB, base + 8 * MB),
+        MemoryEvent(300 * us, False, 0xD, 4 * MB, 4 * MB, base + 4 * MB),
+    ]
+    return k, m
+
+
+def test_every_read_is_an_access_at_the_readers_measured_start():
+    g = chain_graph()
+    k, m = chain_events()
+    trace = assemble_trace(g, k, m, peak_bytes=14 * MB)
+    b = trace.tensors["b:0"]
+    assert [(a.index, a.op) for a in b.accesses] == [(0, "b"), (1, "loss"), (2, "gradient_tape/g"),
+                                                     (3, "gradient_tape/h")]
+    starts = {e.op: (e.start - k[0].start) / 1e9 for e in k}
+    assert b.accesses[2].time == pytest.approx(starts["gradient_tape/g"])
+    assert b.accesses[0].time == pytest.approx(150e-6)  # production: the end of its producer
+    # every executed edge of the graph appears as an access of its tensor
+    for op in g.ops.values():
+        for t in op.inputs:
+            if t in trace.tensors:
+                assert any(a.op == op.name and a.index > 0 for a in trace.tensors[t].accesses), (op.name, t)
+
+
+def test_forwarded_buffer_moves_to_the_output_and_replay_matches_the_allocator():
+    g = chain_graph()
+    k, m = chain_events()
+    trace = assemble_trace(g, k, m, peak_bytes=14 * MB)
+    a, b = trace.tensors["a:0"], trace.tensors["b:0"]
+    assert a.free == pytest.approx(b.alloc) == pytest.approx(150e-6)
+    assert b.nbytes == 4 * MB and b.free == pytest.approx(299e-6)
+    assert "loss:temp0" in trace.tensors  # the op's temporary is kept, so the replay sees it
+    assert trace.persistent_bytes == 2 * MB
+    assert trace.replayed_peak_bytes() == max(b for _, b in trace.memory_curve) == 14 * MB
+
+
+def test_stalls_are_removed_from_the_timeline():
+    g = chain_graph()
+    k, m = chain_events()
+    stall = (185_000, 215_000)  # 30 us inside ReluGrad
+    trace = assemble_trace(g, k, m, peak_bytes=14 * MB, stalls=[stall], evicted_bytes=4 * MB)
+    ops = {o.name: o for o in trace.ops}
+    assert ops["gradient_tape/g"].duration == pytest.approx(20e-6)
+    assert ops["gradient_tape/h"].start == pytest.approx((240 - 30) * 1e-6)
+    assert trace.stall_time == pytest.approx(30e-6)
+    assert trace.step_time == pytest.approx(270e-6)
+    assert trace.saving_target(budget_bytes=13 * MB) == 4 * MB  # passive mode evicted more than peak - budget
+    assert trace.saving_target(budget_bytes=8 * MB) == 6 * MB
+
+
+def test_peak_window_and_access_list():
+    g = chain_graph()
+    k, m = chain_events()
+    trace = assemble_trace(g, k, m, peak_bytes=14 * MB)
+    w0, w1 = trace.peak_window(threshold_bytes=11 * MB)
+    assert w0 == pytest.approx(242e-6) and w1 == pytest.approx(299e-6)
+    times = [a.time for a in trace.access_list()]
+    assert times == sorted(times)
+
+
+def test_trace_json_round_trip_and_schema_check(tmp_path):
+    g = chain_graph()
+    k, m = chain_events()
+    trace = assemble_trace(g, k, m, peak_bytes=14 * MB, meta={"model": "chain"})
+    path = tmp_path / "t.json"
+    trace.save(path)
+    back = AccessTrace.load(path)
+    assert back.to_json() == trace.to_json()
+    data = json.loads(path.read_text())
+    data["schema_version"] = 999
+    path.write_text(json.dumps(data))
+    with pytest.raises(TraceError, match="schema version"):
+        AccessTrace.load(path)
+    path.write_text("{not json")
+    with pytest.raises(TraceError, match="not valid JSON"):
+        AccessTrace.load(path)
+
+
+def test_graph_model_rejects_dangling_references():
+    with pytest.raises(GraphModelError, match="unknown tensor"):
+        GraphModel.build([OpInfo("a", "Relu", ("missing:0",), (), ())], [])
+    g = chain_graph()
+    assert GraphModel.from_json(json.loads(json.dumps(g.to_json()))) == g
+
+
+def test_no_kernel_of_the_graph_is_an_error():
+    with pytest.raises(ValueError, match="nothing was measured"):
+        assemble_trace(chain_graph(), [KernelEvent("other", "X", 0, 1)], [], peak_bytes=0)
