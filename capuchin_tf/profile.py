@@ -19,9 +19,9 @@ import time
 import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-from capuchin_tf import capture
+from capuchin_tf import capture, ops, rewrite
 from capuchin_tf.trace import AccessTrace
-from capuchin_tf.tracing import KernelEvent, MemoryEvent, assemble_trace
+from capuchin_tf.tracing import KernelEvent, MemoryEvent, assemble_trace, fold_pool_ops
 
 DEVICE = "CPU:0"
 
@@ -33,12 +33,16 @@ def _stat_value(stat, stat_metadata):
     return getattr(stat, which) if which else None
 
 
-def read_xspace(path: str) -> tuple[list[KernelEvent], list[MemoryEvent]]:
-    """Kernel and allocator events of the host plane of an XSpace file, times in ns on the profiler's clock."""
+ANCHOR = "capuchin_tf/clock_anchor"
+
+
+def read_xspace(path: str) -> tuple[list[KernelEvent], list[MemoryEvent], list[int]]:
+    """Kernel and allocator events of the host plane of an XSpace file, times in ns on the profiler's clock, and the
+    start times of the clock anchors (see `_anchor`)."""
     space = xplane_pb2.XSpace()
     with open(path, "rb") as f:
         space.ParseFromString(f.read())
-    kernels, memory = [], []
+    kernels, memory, anchors = [], [], []
     for plane in space.planes:
         if plane.name != "/host:CPU":
             continue
@@ -48,7 +52,9 @@ def read_xspace(path: str) -> tuple[list[KernelEvent], list[MemoryEvent]]:
             for ev in line.events:
                 name = md[ev.metadata_id].name
                 start = base + ev.offset_ps // 1000
-                if name in ("MemoryAllocation", "MemoryDeallocation"):
+                if name == ANCHOR:
+                    anchors.append(start)
+                elif name in ("MemoryAllocation", "MemoryDeallocation"):
                     stats = {sm[s.metadata_id].name: _stat_value(s, sm) for s in ev.stats}
                     memory.append(MemoryEvent(
                         time=start, allocation=name == "MemoryAllocation", addr=int(stats.get("addr", 0)),
@@ -60,45 +66,103 @@ def read_xspace(path: str) -> tuple[list[KernelEvent], list[MemoryEvent]]:
                     op, sep, op_type = name.rpartition(":")
                     if sep and op and "::" not in name:
                         kernels.append(KernelEvent(op, op_type, start, start + ev.duration_ps // 1000))
-    return kernels, memory
+    return kernels, memory, anchors
 
 
-def measure_step(step, args, *, budget_bytes: int | None = None, meta: dict | None = None,
+def _anchor() -> int:
+    """Emits a profiler event and returns CLOCK_MONOTONIC at that moment: the offset between the profiler's clock
+    and the host store's (stalls are logged on CLOCK_MONOTONIC)."""
+    with tf.profiler.experimental.Trace(ANCHOR):
+        return time.monotonic_ns()
+
+
+def passive_readers(graph) -> tuple[dict[str, list[str]], dict, dict]:
+    """The tensors passive mode hands to the pool: produced by a forward op, read by backward ops, swappable.
+
+    Returns (tensor id -> names of its backward readers, dtypes, static shapes) for `rewrite.insert_hold_get`.
+    """
+    readers: dict[str, list[str]] = {}
+    dtypes, shapes = {}, {}
+    for op in graph.get_operations():
+        role = capture._role(op.name, op.type, ())
+        if role != capture.Role.BACKWARD:
+            continue
+        for t in op.inputs:
+            producer = t.op
+            if (capture._role(producer.name, producer.type, ()) != capture.Role.FORWARD
+                    or producer.type in capture.PERSISTENT_PRODUCERS or producer.type in capture.CONTROL_FLOW_OPS
+                    or t.dtype not in rewrite.SWAPPABLE or t.dtype == tf.resource):
+                continue
+            lst = readers.setdefault(t.name, [])
+            if op.name not in lst:
+                lst.append(op.name)
+            dtypes[t.name], shapes[t.name] = t.dtype, t.shape
+    return readers, dtypes, shapes
+
+
+def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None = None, meta: dict | None = None,
                  keep_profile: str | None = None):
     """Runs `step(*args)` once as the measured execution. Returns (outputs, AccessTrace).
 
-    `step` is a tf.function training step; `args` its inputs (tensors). The step really runs: its updates happen.
+    `step` is a tf.function training step; `args` its inputs (tensors). The step really runs: its updates happen,
+    with the same results as a plain step. With `passive` (the default), the tensors the backward pass reads are held
+    by capuchin_tf's tensor pool and passive mode is on: if an allocation would fail, pooled tensors are evicted to
+    host memory and brought back when read, so the step completes under a device limit it does not fit in; the
+    trace is corrected to the ideal timeline and records the evicted bytes (the saving target).
     """
-    capture.concrete_step(step, args)  # traces the function (and refuses jit_compile) before anything is measured
+    concrete = capture.concrete_step(step, args)  # traces the function and refuses jit_compile
+    if passive:
+        readers, dtypes, shapes = passive_readers(concrete.graph)
+        graph_def, _ = rewrite.insert_hold_get(concrete.graph.as_graph_def(), readers, dtypes, shapes)
+        fn = rewrite.rebuild(concrete, graph_def, name="capuchin_measured_step")
+        run, func_graph = (lambda: fn(*args)), fn.graph
+    else:
+        run, func_graph = (lambda: step(*args)), concrete.graph
     logdir = keep_profile or tempfile.mkdtemp(prefix="capuchin_profile_")
+    before = ops.host_store_stats()
+    ops.drain_stalls()
     try:
         persistent = tf.config.experimental.get_memory_info(DEVICE)["current"]
         tf.config.experimental.reset_memory_stats(DEVICE)
         options = tf.profiler.experimental.ProfilerOptions(host_tracer_level=2, python_tracer_level=0,
                                                            device_tracer_level=0)
         tf.profiler.experimental.start(logdir, options=options)
-        t0 = time.perf_counter()
         try:
-            outputs, graph_def = capture.run_with_post_optimization_graph(lambda: step(*args))
-            wall = time.perf_counter() - t0
+            mono = [_anchor()]
+            ops.set_passive_mode(passive)
+            t0 = time.perf_counter()
+            try:
+                outputs, graph_def = capture.run_with_post_optimization_graph(run)
+            finally:
+                wall = time.perf_counter() - t0
+                ops.set_passive_mode(False)
+            mono.append(_anchor())
         finally:
             tf.profiler.experimental.stop()
         peak = tf.config.experimental.get_memory_info(DEVICE)["peak"]
         files = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
         if not files:
             raise RuntimeError(f"the profiler wrote no XSpace under {logdir}")
-        kernels, memory = read_xspace(max(files, key=os.path.getmtime))
+        kernels, memory, anchors = read_xspace(max(files, key=os.path.getmtime))
     finally:
         if keep_profile is None:
             shutil.rmtree(logdir, ignore_errors=True)
-    model = capture.graph_model(graph_def, step.get_concrete_function(*args).graph)
+    after = ops.host_store_stats()
+    stalls = ops.drain_stalls()
+    # profiler clock = monotonic clock - offset
+    offset = sum(m - a for m, a in zip(mono, anchors)) // max(len(anchors), 1) if len(anchors) == len(mono) else 0
+    stall_spans = [(int(s) - offset, int(e) - offset) for s, e in zip(stalls["start_ns"], stalls["end_ns"])]
+    model, aliases = fold_pool_ops(capture.graph_model(graph_def, func_graph))
     info = dict(meta or {})
     info.setdefault("tf_version", tf.__version__)
     info.setdefault("date", time.strftime("%Y-%m-%d"))
     info.setdefault("machine", {"cores": os.cpu_count(), "platform": platform.platform()})
-    info["measured_wall_s"] = wall
+    info.update(measured_wall_s=wall, passive=passive,
+                passive_evictions=after["passive_evictions"] - before["passive_evictions"],
+                passive_swap_ins=after["passive_swap_ins"] - before["passive_swap_ins"])
     trace = assemble_trace(model, kernels, memory, peak_bytes=peak, persistent_bytes=persistent,
-                           budget_bytes=budget_bytes, meta=info)
+                           stalls=stall_spans, budget_bytes=budget_bytes, meta=info, buffer_aliases=aliases,
+                           evicted_bytes=after["passive_evicted_bytes"] - before["passive_evicted_bytes"])
     return outputs, trace
 
 

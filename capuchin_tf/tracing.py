@@ -27,6 +27,38 @@ VIEW_OPS = frozenset({"Reshape", "Identity", "Squeeze", "ExpandDims", "Bitcast",
                       "EnsureShape", "PreventGradient", "IdentityN"})
 
 
+POOL_OP_TYPES = ("Capuchin>Hold", "Capuchin>Get")
+
+
+def fold_pool_ops(graph: GraphModel) -> tuple[GraphModel, dict[str, str]]:
+    """The graph without capuchin_tf's pool ops (Hold, Get), consumers reading the original tensors again.
+
+    Returns the folded graph and, for each Get node, the tensor it serves: a Get that brings an evicted tensor back
+    allocates a new buffer for that same tensor.
+    """
+    holds = {o.name: o.inputs[0] for o in graph.ops.values() if o.type == "Capuchin>Hold"}
+    gets = {o.name: holds[o.inputs[0].rsplit(":", 1)[0]] for o in graph.ops.values()
+            if o.type == "Capuchin>Get" and o.inputs and o.inputs[0].rsplit(":", 1)[0] in holds}
+    if not holds:
+        return graph, {}
+    pool_ops = set(holds) | {o.name for o in graph.ops.values() if o.type in POOL_OP_TYPES}
+    rename = {f"{g}:0": t for g, t in gets.items()}
+    ops = []
+    for o in graph.ops.values():
+        if o.name in pool_ops:
+            continue
+        ops.append(dataclasses.replace(
+            o, inputs=tuple(rename.get(i, i) for i in o.inputs),
+            control_inputs=tuple(c for c in o.control_inputs if c not in pool_ops)))
+    consumers: dict[str, list[str]] = {}
+    for o in ops:
+        for i in o.inputs:
+            consumers.setdefault(i, []).append(o.name)
+    tensors = [dataclasses.replace(t, consumers=tuple(dict.fromkeys(consumers.get(t.id, ()))))
+               for t in graph.tensors.values() if t.op not in pool_ops]
+    return GraphModel.build(ops, tensors), gets
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelEvent:
     op: str
@@ -104,8 +136,14 @@ def assemble_trace(
     evicted_bytes: int = 0,
     budget_bytes: int | None = None,
     meta: Mapping | None = None,
+    buffer_aliases: Mapping[str, str] | None = None,
 ) -> AccessTrace:
-    """The AccessTrace of one step from its kernel and allocator events (see the module docstring)."""
+    """The AccessTrace of one step from its kernel and allocator events (see the module docstring).
+
+    `buffer_aliases` maps ops outside the graph whose allocations belong to a graph tensor (a passive-mode Get that
+    brought an evicted tensor back) to that tensor: on the ideal timeline the tensor never left.
+    """
+    buffer_aliases = dict(buffer_aliases or {})
     kernels = sorted((k for k in kernels if k.op in graph.ops), key=lambda k: (k.start, k.op))
     if not kernels:
         raise ValueError("no kernel event names an op of the graph: nothing was measured")
@@ -131,7 +169,9 @@ def assemble_trace(
             b = _Buffer(m.addr, m.nbytes, m.time)
             live[m.addr] = b
             buffers.append(b)
-            if m.op in graph.ops and m.region == "output":
+            if m.op in buffer_aliases:
+                by_op_other.setdefault(("alias", buffer_aliases[m.op]), []).append(b)
+            elif m.op in graph.ops and m.region == "output":
                 by_op_outputs.setdefault(m.op, []).append(b)
             else:
                 by_op_other.setdefault(m.op, []).append(b)
@@ -194,6 +234,12 @@ def assemble_trace(
         # Temporaries of this op (and unclaimed output allocations) stay the op's own.
         for i, b in enumerate(by_op_other.get(k.op, []) + allocated):
             take(f"{k.op}:temp{i}", b, b.alloc)
+
+    # Buffers of tensors brought back by passive mode belong to those tensors.
+    for key, bufs in by_op_other.items():
+        if isinstance(key, tuple):
+            for b in bufs:
+                take(key[1], b, b.alloc)
 
     # Allocations no executed op claims (function-call bookkeeping, outputs copied at the end, ...).
     for b in buffers:

@@ -5,7 +5,12 @@
 #include <memory>
 #include <mutex>
 
+#include <cstdlib>
+#include <string>
+
+#include "tensorflow/core/common_runtime/bfc_allocator.h"
 #include "tensorflow/core/common_runtime/device_factory.h"
+#include "tensorflow/core/common_runtime/pool_allocator.h"
 #include "tensorflow/core/common_runtime/process_state.h"
 #include "tensorflow/core/common_runtime/threadpool_device.h"
 #include "tensorflow/core/platform/numa.h"
@@ -17,13 +22,36 @@ namespace {
 
 std::atomic<CapuchinAllocator*> g_installed{nullptr};
 
-// Wraps the allocator the stock factory would use. CreateDevices runs several times per process (eager context,
-// temporary devices of function instantiation), so one wrapper is made and shared.
+// The simulated device (design.md): with TF_CPU_ALLOCATOR_USE_BFC=true and TF_CPU_BFC_MEM_LIMIT_IN_MB=N, a BFC
+// allocator of N MiB. capuchin_tf builds its own, with the whole limit reserved up front as on a GPU
+// (allow_growth=false): the environment-variable BFC grows its regions and fragments before reaching the limit
+// (seen: out of memory at well under the limit during model construction). Waiting for frees on failure is kept,
+// so an allocation can wait for an in-flight swap-out to release its device buffer.
+Allocator* SimulatedDeviceAllocator() {
+  const char* use_bfc = std::getenv("TF_CPU_ALLOCATOR_USE_BFC");
+  const char* limit_mb = std::getenv("TF_CPU_BFC_MEM_LIMIT_IN_MB");
+  if (use_bfc == nullptr || std::string(use_bfc) != "true" || limit_mb == nullptr) return nullptr;
+  const int64_t mb = std::atoll(limit_mb);
+  if (mb <= 0) return nullptr;
+  tsl::BFCAllocator::Options opts;
+  opts.allow_growth = false;
+  opts.allow_retry_on_failure = true;
+  opts.garbage_collection = false;
+  return new tsl::BFCAllocator(
+      std::make_unique<BasicCPUAllocator>(port::kNUMANoAffinity, std::vector<SubAllocator::Visitor>{},
+                                          std::vector<SubAllocator::Visitor>{}),
+      static_cast<size_t>(mb) << 20, "bfc_cpu_allocator_for_gpu", opts);
+}
+
+// Wraps the simulated device's allocator, or else the allocator the stock factory would use. CreateDevices runs
+// several times per process (eager context, temporary devices of function instantiation), so one wrapper is made
+// and shared; it lives as long as the devices, i.e. the whole process.
 CapuchinAllocator* SharedWrapper() {
   static std::once_flag once;
   std::call_once(once, [] {
-    Allocator* base = ProcessState::singleton()->GetCPUAllocator(port::kNUMANoAffinity);
-    g_installed.store(new CapuchinAllocator(base));  // lives as long as the devices: the whole process
+    Allocator* base = SimulatedDeviceAllocator();
+    if (base == nullptr) base = ProcessState::singleton()->GetCPUAllocator(port::kNUMANoAffinity);
+    g_installed.store(new CapuchinAllocator(base));
   });
   return g_installed.load();
 }
