@@ -20,6 +20,10 @@ CONTROL_FLOW_OPS = frozenset({
     "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
     "PartitionedCall", "StatefulPartitionedCall", "RemoteCall", "For",
 })
+# Control flow lowered into the graph (Grappler lowers While/If in functions): the ops inside a loop frame run
+# once per iteration, so their tensors are not managed either.
+FRAME_OPS = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "Switch", "RefSwitch", "Merge", "RefMerge",
+                       "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger"})
 # Ops whose outputs alias memory that outlives the step (arguments, variables, constants).
 PERSISTENT_PRODUCERS = frozenset({"_Arg", "Placeholder", "Const", "HostConst", "ReadVariableOp", "VarHandleOp",
                                   "VariableV2", "ResourceGather"})
@@ -47,11 +51,16 @@ def concrete_step(fn, args):
     return fn.get_concrete_function(*args)
 
 
-def run_with_post_optimization_graph(call):
-    """Runs `call()` once with run metadata on; returns (its result, the post-optimization GraphDef it executed)."""
+def run_with_post_optimization_graph(call, func_graph):
+    """Runs `call()` once with run metadata on; returns (its result, the post-optimization GraphDef it executed).
+
+    `func_graph` is the graph of the function `call` runs: run metadata can also carry graphs of other functions
+    (seen: a graph of a function run earlier in the process), so the one sharing most node names with it is taken.
+    """
     ctx = context.context()
     ctx.enable_run_metadata()
     try:
+        ctx.export_run_metadata()  # drop anything collected before this call
         result = call()
         metadata = ctx.export_run_metadata()
     finally:
@@ -59,8 +68,8 @@ def run_with_post_optimization_graph(call):
     graphs = [fg.post_optimization_graph for fg in metadata.function_graphs]
     if not graphs:
         raise CaptureError("TensorFlow returned no function graph for the step (was it a tf.function call?)")
-    # The step's own graph is the largest one executed (nested control-flow bodies come separately).
-    return result, max(graphs, key=lambda g: len(g.node))
+    names = {op.name for op in func_graph.get_operations()}
+    return result, max(graphs, key=lambda g: sum(n.name in names for n in g.node))
 
 
 def _num_outputs(node, op_def) -> int:
@@ -116,6 +125,21 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
             if not inp.startswith("^"):
                 consumers.setdefault(_normalize_input(inp), []).append(node.name)
 
+    # Ops inside loop frames: reachable from an Enter without passing an Exit.
+    by_name = {n.name: n for n in nodes}
+    in_frame: set[str] = set()
+    frontier = [n.name for n in nodes if n.op in ("Enter", "RefEnter")]
+    while frontier:
+        name = frontier.pop()
+        if name in in_frame:
+            continue
+        in_frame.add(name)
+        node = by_name[name]
+        if node.op in ("Exit", "RefExit"):
+            continue
+        for slot in range(8):
+            for c in consumers.get(f"{name}:{slot}", ()):
+                frontier.append(c)
     ops, tensors = [], []
     for node in nodes:
         op_def = op_def_registry.get(node.op)
@@ -147,10 +171,11 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
             tensors.append(TensorInfo(
                 id=tid, op=node.name, dtype=dtypes[slot] if slot < len(dtypes) else "unknown", shape=shape,
                 nbytes=nbytes, consumers=tuple(consumers.get(tid, ())),
-                persistent=node.op in PERSISTENT_PRODUCERS,
+                persistent=node.op in PERSISTENT_PRODUCERS or node.name in in_frame,  # never a candidate
             ))
             outputs.append(tid)
-        replayable = not stateful and node.op not in CONTROL_FLOW_OPS and node.op not in ("_Arg", "_Retval")
+        replayable = (not stateful and node.op not in CONTROL_FLOW_OPS and node.op not in FRAME_OPS
+                      and node.name not in in_frame and node.op not in ("_Arg", "_Retval"))
         ops.append(OpInfo(
             name=node.name, type=node.op,
             inputs=tuple(_normalize_input(i) for i in node.input if not i.startswith("^")),

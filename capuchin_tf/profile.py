@@ -62,7 +62,7 @@ def read_xspace(path: str) -> tuple[list[KernelEvent], list[MemoryEvent], list[i
                         in_use_after=int(stats.get("bytes_allocated", -1)), op=str(stats.get("tf_op", "") or ""),
                         region=str(stats.get("region_type", "") or ""),
                     ))
-                elif line.name.startswith("tf_Compute") or line.name.startswith("tf_numa"):
+                else:  # kernels run on the executor's threads, or inline on the caller's
                     op, sep, op_type = name.rpartition(":")
                     if sep and op and "::" not in name:
                         kernels.append(KernelEvent(op, op_type, start, start + ev.duration_ps // 1000))
@@ -132,7 +132,7 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
             ops.set_passive_mode(passive)
             t0 = time.perf_counter()
             try:
-                outputs, graph_def = capture.run_with_post_optimization_graph(run)
+                outputs, graph_def = capture.run_with_post_optimization_graph(run, func_graph)
             finally:
                 wall = time.perf_counter() - t0
                 ops.set_passive_mode(False)

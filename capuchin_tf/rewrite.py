@@ -124,6 +124,7 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, readers: dict[str, list[str]]
         if nodes[op].device:
             hold.device = nodes[op].device
         _mark(hold)
+        nodes[hold.name] = hold
         gets = []
         for k, cname in enumerate(consumer_names):
             consumer = nodes[cname]
@@ -131,13 +132,15 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, readers: dict[str, list[str]]
             get.attr["dtype"].CopyFrom(_attr_type(dtypes[tid]))
             get.attr["shape"].CopyFrom(_attr_shape(shapes[tid]))
             _mark(get)
+            nodes[get.name] = get
             gates = []
             for inp in consumer.input:
                 if inp.startswith("^"):
                     continue
                 producer = inp.split(":")[0]
-                if inp not in (ref, f"{op}:0" if slot == 0 else ref) and producer != op:
-                    gates.append(f"^{producer}")
+                if producer == op or nodes[producer].op in ("Placeholder", "_Arg", "Const"):
+                    continue  # the tensor itself, or inputs that are ready from the start
+                gates.append(f"^{producer}")
             get.input.extend(dict.fromkeys(gates))
             for i, inp in enumerate(consumer.input):
                 if inp == ref or (slot == 0 and inp == f"{op}:0"):

@@ -202,6 +202,11 @@ def assemble_trace(
     for k in kernels:
         op = graph.ops[k.op]
         allocated = list(by_op_outputs.get(k.op, ()))
+        # Some kernels allocate a temporary and then hand it out as an output (reductions, for one): a "temp"
+        # allocation that outlives its op is an output too.
+        others = by_op_other.get(k.op, [])
+        allocated += [b for b in others if b.free is None or b.free > k.end]
+        by_op_other[k.op] = [b for b in others if not (b.free is None or b.free > k.end)]
         for tid in op.outputs:
             info = graph.tensors[tid]
             pick = None

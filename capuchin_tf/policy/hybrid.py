@@ -1,0 +1,390 @@
+"""The hybrid policy (paper.md §1.8, Algorithm 1), and its two halves alone (swap-only, recompute-only).
+
+1. Candidates and their pairs; the pairs ranked by free time FT, largest first.
+2. Swaps that can be fully hidden (an in-trigger with zero expected stall, nothing queued made late), taken from the
+   top of the ranking, each tensor at most once, until the saving target is met.
+3. While the target is not met: s = the best remaining swap (largest FT) with its in-trigger and overhead (the stall
+   left after overlap, plus the lateness it pushes onto queued copies); r = the recompute candidate with the largest
+   MSPS, whose overhead is rp_time + ext_time. The cheaper per byte saved is kept (ties go to the swap); the other
+   stays a candidate. Sources, MSPS and swap feasibility are updated after each pick (Algorithm 2's updates).
+4. Beyond the paper's scalar target: the plan is simulated; while its predicted peak exceeds the budget, the same
+   choice is made among the candidates that are off the device at the op of the predicted peak, enough bytes to
+   cover the excess, and the plan is simulated again. If none is left, the plan is reported not feasible, naming
+   the op (or, if an op's working set alone exceeds the budget, that op).
+5. Beyond the paper: replays are moved into idle gaps before their back-access when that hides them and memory
+   allows (recompute.move_early); kept only if the simulation says it is not worse.
+"""
+
+from __future__ import annotations
+
+import time
+
+from capuchin_tf.device_model import DeviceModel
+from capuchin_tf.plan import Plan
+from capuchin_tf.policy.candidates import CandidatePair, candidate_pairs, make_context, recompute_pair
+from capuchin_tf.policy.common import finalize, fits, swap_decision
+from capuchin_tf.policy.recompute import (
+    RECOMPUTE_EVICTION,
+    SWAP_EVICTION,
+    RecomputeSelector,
+    Residency,
+    assemble,
+    move_early,
+)
+from capuchin_tf.policy.swap import SwapOption, SwapPlanner
+from capuchin_tf.simulator import InfeasiblePlanError, simulate
+from capuchin_tf.trace import AccessTrace
+
+MAX_SCAN = 256  # swap pairs evaluated per pick when looking for one that covers the predicted peak
+
+
+def plan_capuchin(trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, **options) -> Plan:
+    """Capuchin's hybrid policy: free swaps first, then the cheaper of swap and recompute (Algorithm 1)."""
+    return hybrid(trace, budget_bytes, device_model, policy="capuchin", swap=True, recompute=True, **options)
+
+
+def plan_swap_only(trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, **options) -> Plan:
+    """Capuchin's swap half alone: hidden swaps by FT, then the least-overhead swaps."""
+    options.setdefault("early_recompute", False)
+    return hybrid(trace, budget_bytes, device_model, policy="swap-only", swap=True, recompute=False, **options)
+
+
+def plan_recompute_only(trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, **options) -> Plan:
+    """Capuchin's recomputation half alone: Algorithm 2's MSPS greedy with collective recomputation."""
+    return hybrid(trace, budget_bytes, device_model, policy="recompute-only", swap=False, recompute=True, **options)
+
+
+class _Hybrid:
+    def __init__(self, ctx, swap: bool, recompute: bool, collective: bool):
+        self.ctx = ctx
+        self.idx = ctx.idx
+        self.collective = collective
+        self.pairs = candidate_pairs(ctx)
+        self.ranking: list[CandidatePair] = sorted(
+            (p for ps in self.pairs.values() for p in ps), key=lambda p: (-p.free_time, p.tensor, p.k)
+        )
+        # Lowering a predicted peak is a precise need: there, tensors of any size may help.
+        self.cover_ranking = sorted(
+            (p for ps in candidate_pairs(ctx, min_bytes=1).values() for p in ps),
+            key=lambda p: (-p.free_time, p.tensor, p.k),
+        )
+        self.res = Residency(self.idx)
+        self.sp = SwapPlanner(ctx) if swap else None
+        self.rs = (
+            RecomputeSelector(ctx, (recompute_pair(ps) for ps in self.pairs.values()), self.res) if recompute else None
+        )
+        self.taken: set[str] = set()
+        self.reasons: dict[str, str] = {}
+        self.recompute_pairs: dict[str, CandidatePair] = {}
+        self._swap_ptr = 0
+        self._swap_cache: SwapOption | None = None
+        self.no_keep: set[str] = set()
+        self._evals: dict[tuple, tuple[int, SwapOption | None]] = {}
+
+    def evaluate(self, p: CandidatePair, not_before: int | None = None) -> SwapOption | None:
+        """SwapPlanner.evaluate, cached until the link queues change."""
+        key = (p.tensor, p.k, not_before)
+        hit = self._evals.get(key)
+        if hit is not None and hit[0] == self.sp.version:
+            return hit[1]
+        opt = self.sp.evaluate(p, not_before=not_before)
+        self._evals[key] = (self.sp.version, opt)
+        return opt
+
+    # ---- picks ----
+    def _usable(self, opt: SwapOption | None, window) -> bool:
+        if opt is None:
+            return False
+        a, b = opt.off_device()
+        if b - a <= 0 or window is None:
+            return False
+        if a >= window[1] or b <= window[0]:
+            return False
+        p = opt.pair
+        return self.rs is None or not self.rs.would_break(p.tensor, p.ev_pos, p.back_pos)
+
+    def take_swap(self, opt: SwapOption, why: str) -> None:
+        p = opt.pair
+        self.sp.commit(opt)
+        self.taken.add(p.tensor)
+        self.reasons[p.tensor] = why
+        if self.rs is not None:
+            self.rs.evicted_by_swap(p.tensor, p.ev_pos, p.back_pos)
+        else:
+            self.res.evict(p.tensor, p.ev_pos, p.back_pos, SWAP_EVICTION)
+        self._swap_cache = None
+
+    def recompute_ok(self, c) -> bool:
+        """Choosing `c` must leave every chosen target that uses it as a source rebuildable within memory."""
+        p = c.pair
+        if self.rs.would_break(p.tensor, p.ev_pos, p.back_pos, RECOMPUTE_EVICTION):
+            self.rs.discard(p.tensor)
+            return False
+        return True
+
+    def best_recompute(self, accept=None):
+        while True:
+            r = self.rs.top(accept) if self.rs is not None else None
+            if r is None or self.recompute_ok(r):
+                return r
+
+    def take_recompute(self, tid: str, why: str) -> None:
+        c = self.rs.choose(tid)
+        self.taken.add(tid)
+        self.reasons[tid] = why
+        self.recompute_pairs[tid] = c.pair
+
+    def free_swaps(self, need: int) -> int:
+        """Phase 2: swaps that can be fully hidden, by FT, until the target is met."""
+        if self.sp is None:
+            return need
+        for p in self.ranking:
+            if need <= 0 or p.free_time < 0:
+                break  # FT < 0: no in-trigger can hide it (the ranking is by FT)
+            if p.tensor in self.taken:
+                continue
+            opt = self.evaluate(p)
+            if opt is None or not opt.hidden or not self._usable(opt, self.ctx.need_window):
+                continue
+            self.take_swap(opt, f"swap hidden by its in-trigger (FT {p.free_time * 1e3:.3f} ms)")
+            need -= p.nbytes
+        return need
+
+    def best_swap(self) -> SwapOption | None:
+        """The remaining pair with the largest FT that can be placed, with its in-trigger and overhead."""
+        if self.sp is None:
+            return None
+        if self._swap_cache is not None and self._swap_cache.pair.tensor not in self.taken:
+            p = self._swap_cache.pair
+            if not self.rs or not self.rs.would_break(p.tensor, p.ev_pos, p.back_pos):
+                return self._swap_cache
+        while self._swap_ptr < len(self.ranking):
+            p = self.ranking[self._swap_ptr]
+            if p.tensor in self.taken:
+                self._swap_ptr += 1
+                continue
+            opt = self.evaluate(p)
+            if self._usable(opt, self.ctx.need_window):
+                self._swap_cache = opt
+                return opt
+            self._swap_ptr += 1
+        return None
+
+    def covering_swap(self, pos: int) -> SwapOption | None:
+        """The pair with the largest FT whose tensor would be off the device during op `pos`."""
+        if self.sp is None:
+            return None
+        idx = self.idx
+        t0, t1 = idx.start[pos], idx.end[pos]
+        scanned = 0
+        for p in self.cover_ranking:
+            if p.tensor in self.taken or not p.ev_pos < pos < p.back_pos or p.t_evict_end + p.swap_out_s > t0:
+                continue
+            opt = self.evaluate(p, not_before=pos)
+            scanned += 1
+            if opt is not None:
+                a, b = opt.off_device()
+                if a <= t0 and b >= t1 and self._usable(opt, (t0, t1)):
+                    return opt
+            if scanned >= MAX_SCAN:
+                break
+        return None
+
+    def covering_retrigger(self, pos: int) -> tuple[SwapOption, float] | None:
+        """A chosen swap still on the device during op `pos` whose in-trigger can move to `pos` or later: the option
+        with the least added overhead, and that added overhead."""
+        if self.sp is None:
+            return None
+        idx = self.idx
+        t0, t1 = idx.start[pos], idx.end[pos]
+        best = None
+        for t, opt in list(self.sp.chosen.items()):
+            p = opt.pair
+            if not p.ev_pos < pos < p.back_pos or opt.trigger_pos is None or opt.trigger_pos >= pos:
+                continue
+            new = self.sp.retrigger_option(t, pos)
+            if new is None:
+                continue
+            a, b = new.off_device()
+            if a <= t0 and b >= t1:
+                added = max(0.0, new.overhead - opt.overhead)
+                if best is None or added < best[1]:
+                    best = (new, added)
+        return best
+
+    def pick(self, s: SwapOption | None, r, where: str) -> int:
+        """Keeps the cheaper per byte of swap `s` and recomputation `r`; returns the bytes it saves."""
+        if s is None and r is None:
+            return 0
+        s_cost = s.overhead / s.pair.nbytes if s is not None else float("inf")
+        r_cost = r.cost / r.pair.nbytes if r is not None else float("inf")
+        if s is not None and s_cost <= r_cost:
+            how = "hidden" if s.hidden else f"overhead {s.overhead * 1e3:.3f} ms"
+            alt = f", cheaper than recomputing {r.tensor} ({r.cost * 1e3:.3f} ms)" if r is not None else ""
+            self.take_swap(s, f"swap {where} (FT {s.pair.free_time * 1e3:.3f} ms, {how}{alt})")
+            return s.pair.nbytes
+        alt = f", cheaper than swapping {s.pair.tensor} ({s.overhead * 1e3:.3f} ms)" if s is not None else ""
+        self.take_recompute(r.tensor, f"recompute {where} (MSPS {r.msps:.4g} B/s{alt})")
+        return r.pair.nbytes
+
+    def mixed(self, need: int) -> int:
+        """Phase 3 (Algorithm 1's loop): the cheaper of the best swap and the best recomputation."""
+        while need > 0:
+            s = self.best_swap()
+            r = self.best_recompute()
+            got = self.pick(s, r, "for the saving target")
+            if not got:
+                break
+            need -= got
+        return need
+
+    def unkeep_at_peak(self, decisions, sim) -> bool:
+        """Collective recomputation keeps a target only if memory allows: drop the keeps alive at the predicted peak
+        (rebuilt early and waiting for their back-access then). True if any was dropped."""
+        idx = self.idx
+        dropped = False
+        for d in decisions:
+            if d.kind != "recompute":
+                continue
+            for x in d.keeps:
+                back = idx.tensors[x].acc_pos[self.recompute_pairs[x].k + 1]
+                if sim.restore_time.get(x, float("inf")) <= sim.peak_time < sim.op_start[back]:
+                    self.no_keep.add(x)
+                    dropped = True
+        return dropped
+
+    def cover_peak(self, pos: int, excess: int) -> int:
+        """Phase 4: evictions off the device at op `pos`, until `excess` bytes are covered."""
+        added = 0
+        while added < excess:
+            where = f"to lower the predicted peak at op {self.idx.op_names[pos]}"
+            s = self.covering_swap(pos)
+            r = self.best_recompute(lambda c: c.pair.ev_pos < pos < c.pair.back_pos)
+            q = self.covering_retrigger(pos)
+            if q is not None:
+                opt, extra = q
+                q_cost = extra / opt.pair.nbytes
+                s_cost = s.overhead / s.pair.nbytes if s is not None else float("inf")
+                r_cost = r.cost / r.pair.nbytes if r is not None else float("inf")
+                if q_cost <= s_cost and q_cost <= r_cost:
+                    t = opt.pair.tensor
+                    self.sp.retrigger(opt)
+                    self._swap_cache = None
+                    self.reasons[t] += f"; in-trigger moved to op {self.idx.op_names[opt.trigger_pos]} {where}"
+                    added += opt.pair.nbytes
+                    continue
+            got = self.pick(s, r, where)
+            if not got:
+                break
+            added += got
+        return added
+
+    # ---- the plan ----
+    def decisions(self) -> list:
+        idx = self.idx
+        out = []
+        if self.sp is not None:
+            planned = dict(zip(self.sp.h2d.owner, self.sp.h2d.start))
+            for t in self.sp.order:
+                opt = self.sp.chosen[t]
+                out.append(swap_decision(idx, opt.pair, opt.trigger_pos, self.reasons[t], planned.get(t)))
+        if self.rs is not None and self.recompute_pairs:
+            out.extend(
+                assemble(
+                    self.ctx,
+                    (self.recompute_pairs[t] for t in self.rs.order),
+                    self.res,
+                    collective=self.collective,
+                    no_keep=self.no_keep,
+                    msps=self.rs.msps_at_pick,
+                    reasons=self.reasons,
+                )
+            )
+        return out
+
+
+def _peak_op_pos(sim) -> int:
+    """The op the predicted peak belongs to: the one running then, or the next one if the peak falls between ops
+    (inside a replay inserted before it, or a swap-in landing before it)."""
+    p = sim.peak_pos
+    if sim.peak_time >= sim.op_end[p] and p + 1 < len(sim.op_start):
+        return p + 1
+    return p
+
+
+def hybrid(
+    trace: AccessTrace,
+    budget_bytes: int,
+    device_model: DeviceModel,
+    *,
+    policy: str = "capuchin",
+    swap: bool = True,
+    recompute: bool = True,
+    margin_bytes: int | None = None,
+    peak_fraction: float = 0.9,
+    min_candidate_bytes: int | None = None,
+    collective: bool = True,
+    early_recompute: bool = True,
+    max_rounds: int = 64,
+    index=None,
+) -> Plan:
+    """Algorithm 1 with the given halves enabled (see the module docstring). Returns a simulated Plan."""
+    started = time.perf_counter()
+    options = dict(
+        margin_bytes=margin_bytes,
+        peak_fraction=peak_fraction,
+        min_candidate_bytes=min_candidate_bytes,
+        collective=collective,
+        early_recompute=early_recompute,
+        max_rounds=max_rounds,
+    )
+    ctx = make_context(
+        trace,
+        budget_bytes,
+        device_model,
+        index=index,
+        margin_bytes=margin_bytes,
+        peak_fraction=peak_fraction,
+        min_candidate_bytes=min_candidate_bytes,
+    )
+    if ctx.target <= 0:
+        return finalize(ctx, policy, [], options=options, started=started)
+    h = _Hybrid(ctx, swap, recompute, collective)
+    need = h.free_swaps(ctx.target)
+    h.mixed(need)
+
+    decisions = h.decisions()
+    sim = simulate(trace, decisions, device_model, index=ctx.idx)
+    reason = None
+    for _ in range(max_rounds):
+        if fits(ctx, sim):
+            break
+        excess = sim.peak_bytes + ctx.margin - ctx.budget
+        if h.unkeep_at_peak(decisions, sim):
+            pass
+        elif not h.cover_peak(_peak_op_pos(sim), excess):
+            reason = (
+                f"predicted peak {sim.peak_bytes + ctx.margin} bytes at op {sim.peak_op!r} exceeds the budget "
+                f"{ctx.budget} bytes, and no remaining candidate tensor can be off the device there"
+            )
+            break
+        decisions = h.decisions()
+        sim = simulate(trace, decisions, device_model, index=ctx.idx)
+
+    if early_recompute and recompute and any(d.kind == "recompute" for d in decisions):
+        moved = move_early(ctx, decisions, sim, h.res)
+        if moved != decisions:
+            try:
+                sim2 = simulate(trace, moved, device_model, index=ctx.idx)
+            except InfeasiblePlanError:
+                sim2 = None
+            if (
+                sim2 is not None
+                and sim2.step_time < sim.step_time
+                and sim2.peak_bytes <= max(sim.peak_bytes, ctx.budget - ctx.margin)
+            ):
+                decisions, sim = moved, sim2
+    return finalize(ctx, policy, decisions, options=options, started=started, sim=sim, reason=reason)
+
+
+__all__ = ["plan_capuchin", "plan_swap_only", "plan_recompute_only", "hybrid", "RECOMPUTE_EVICTION"]
