@@ -2,4 +2,6 @@
 
 from capuchin_tf.cli import main
 
+import capuchin_tf.profile_cli  # noqa: E402,F401  (registers `profile`)
+
 raise SystemExit(main())

@@ -99,8 +99,12 @@ class HeldTensor:
     gets: tuple[tuple[str, str], ...]  # (get node, consumer node)
 
 
-def insert_hold_get(graph_def: graph_pb2.GraphDef, readers: dict[str, list[str]], dtypes: dict, shapes: dict
-                    ) -> tuple[graph_pb2.GraphDef, list[HeldTensor]]:
+def _is_backward(name: str) -> bool:
+    return name.startswith("gradient_tape/") or name.startswith("capuchin/get/")
+
+
+def insert_hold_get(graph_def: graph_pb2.GraphDef, readers: dict[str, list[str]], dtypes: dict, shapes: dict,
+                    is_late=_is_backward) -> tuple[graph_pb2.GraphDef, list[HeldTensor]]:
     """Hands each tensor in `readers` to the pool right after it is produced and makes each listed reader read it
     through its own get, gated to run only when the reader's other inputs are ready.
 
@@ -109,7 +113,8 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, readers: dict[str, list[str]]
           \\----> B (backward)             \\--> capuchin/hold/t --h--> capuchin/get/t/0 --t'--> B
                   ^ u                                                 ^ (ctrl: producer of u)   ^ u
     Once F has run, the pool holds t's only reference: passive mode can evict it, and the get brings it back.
-    `readers`: tensor id -> names of the nodes to serve through gets. Returns the new GraphDef and what was held.
+    `readers`: tensor id -> names of the nodes to serve through gets; `is_late(node name)` tells the inputs that
+    become ready late (default: backward ops). Returns the new GraphDef and what was held.
     """
     out = copy.deepcopy(graph_def)
     nodes = {n.name: n for n in out.node}
@@ -133,15 +138,18 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, readers: dict[str, list[str]]
             get.attr["shape"].CopyFrom(_attr_shape(shapes[tid]))
             _mark(get)
             nodes[get.name] = get
-            gates = []
-            for inp in consumer.input:
-                if inp.startswith("^"):
-                    continue
-                producer = inp.split(":")[0]
-                if producer == op or nodes[producer].op in ("Placeholder", "_Arg", "Const"):
-                    continue  # the tensor itself, or inputs that are ready from the start
-                gates.append(f"^{producer}")
-            get.input.extend(dict.fromkeys(gates))
+            # Gate on the reader's inputs that become ready late (backward ones): a gate on a forward producer
+            # (FusedBatchNormGrad's reserve spaces, a variable read) is satisfied at once and would let the get run
+            # early, holding a second reference that keeps the tensor from being evicted. A reader with no late input
+            # (a gradient op recomputing from forward tensors) keeps gates on all its producers: gating it on ops
+            # further downstream was tried and changed the numbers (a control consumer on a producer can stop
+            # Grappler from fusing it; docs/decisions.md).
+            producers = [inp.split(":")[0] for inp in consumer.input if not inp.startswith("^")]
+            producers = [p for p in producers
+                         if p != op and nodes[p].op not in ("Placeholder", "_Arg", "Const")]
+            late = [p for p in producers if is_late(p)]
+            gates = list(dict.fromkeys(late or producers))
+            get.input.extend(f"^{p}" for p in gates)
             for i, inp in enumerate(consumer.input):
                 if inp == ref or (slot == 0 and inp == f"{op}:0"):
                     consumer.input[i] = get.name

@@ -51,7 +51,7 @@ print(json.dumps(result))
 """
 
 MiB = 1 << 20
-LIMIT_MB = 112
+LIMIT_MB = 128
 
 
 def test_plain_runs_out_of_memory_and_the_swapped_graph_runs_bit_for_bit(simulated_device):

@@ -7,7 +7,7 @@ The planning context gathers what every policy derives from the trace and the bu
 - ``need_window``: the period where the ideal curve is above the limit (the paper's "peak memory period" for
   choosing candidates: only there does evicting a tensor help);
 - ``trigger_window``: the period in-triggers avoid (a prefetch there would raise the peak, as in passive mode): where
-  the ideal curve is above the larger of the limit and ``peak_fraction`` of the ideal peak;
+  the ideal curve's transient part is above ``peak_fraction`` (0.9) of its peak;
 - the working-set floor: an op whose inputs + outputs + persistent state exceed the limit makes the budget
   unreachable by any plan (design.md, promise 2).
 
@@ -77,7 +77,8 @@ def make_context(
     peak = idx.replayed_peak()
     target = max(int(trace.evicted_bytes), peak - limit, 0)
     need = idx.window(limit) if peak > limit else None
-    trig = idx.window(max(limit, int(peak_fraction * peak))) if peak > limit else None
+    persistent = trace.persistent_bytes
+    trig = idx.window(int(persistent + peak_fraction * (peak - persistent))) if peak > limit else None
     if min_candidate_bytes is None:
         # Tensors under 0.1% of the saving target cannot make a difference, and each planned action costs ops in
         # the rewritten graph; FT ranking would otherwise take thousands of tiny tensors first.

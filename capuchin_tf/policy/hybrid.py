@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import time
 
 from capuchin_tf.device_model import DeviceModel
@@ -34,13 +36,41 @@ from capuchin_tf.policy.recompute import (
 from capuchin_tf.policy.swap import SwapOption, SwapPlanner
 from capuchin_tf.simulator import InfeasiblePlanError, simulate
 from capuchin_tf.trace import AccessTrace
+from capuchin_tf.trace_index import TraceIndex
 
-MAX_SCAN = 256  # swap pairs evaluated per pick when looking for one that covers the predicted peak
+MAX_SCAN = 64  # swap pairs evaluated per pick when looking for one that covers the predicted peak
 
 
-def plan_capuchin(trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, **options) -> Plan:
-    """Capuchin's hybrid policy: free swaps first, then the cheaper of swap and recompute (Algorithm 1)."""
-    return hybrid(trace, budget_bytes, device_model, policy="capuchin", swap=True, recompute=True, **options)
+def plan_capuchin(
+    trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, *, fallback: bool = True, **options
+) -> Plan:
+    """Capuchin's hybrid policy: free swaps first, then the cheaper of swap and recompute (Algorithm 1).
+
+    Beyond the paper (``fallback``): the greedy can paint itself into a corner (a recomputation chosen early keeps
+    its sources on the device where a swap was needed later). When the hybrid plan does not fit, its two halves are
+    planned too and the fastest of those that fit is returned (still named ``capuchin``; ``options["fallback"]`` says
+    which half); if none fits, the hybrid plan is returned."""
+    started = time.perf_counter()
+    report: dict = {}
+    plan = hybrid(
+        trace, budget_bytes, device_model, policy="capuchin", swap=True, recompute=True, _report=report, **options
+    )
+    if plan.feasible or not fallback or plan.unreachable_op is not None or report.get("hopeless"):
+        return plan  # (hopeless: even evicting every candidate could not bring that op under the budget)
+    index = options.pop("index", None) or TraceIndex(trace)
+    fits = []
+    for half, sw, rc in (("swap-only", True, False), ("recompute-only", False, True)):
+        p = hybrid(trace, budget_bytes, device_model, policy="capuchin", swap=sw, recompute=rc, index=index, **options)
+        if p.feasible:
+            fits.append((p.predicted_step_s, half, p))
+    if not fits:
+        return plan
+    _, half, best = min(fits, key=lambda x: x[:2])
+    return dataclasses.replace(
+        best,
+        options=tuple(sorted(dict(best.options, fallback=half).items())),
+        planning_s=time.perf_counter() - started,
+    )
 
 
 def plan_swap_only(trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, **options) -> Plan:
@@ -63,10 +93,11 @@ class _Hybrid:
         self.ranking: list[CandidatePair] = sorted(
             (p for ps in self.pairs.values() for p in ps), key=lambda p: (-p.free_time, p.tensor, p.k)
         )
-        # Lowering a predicted peak is a precise need: there, tensors of any size may help.
+        # Lowering a predicted peak is a precise need: there, tensors of any size may help, the largest first (the
+        # fewest actions for the bytes).
         self.cover_ranking = sorted(
             (p for ps in candidate_pairs(ctx, min_bytes=1).values() for p in ps),
-            key=lambda p: (-p.free_time, p.tensor, p.k),
+            key=lambda p: (-p.nbytes, -p.free_time, p.tensor, p.k),
         )
         self.res = Residency(self.idx)
         self.sp = SwapPlanner(ctx) if swap else None
@@ -77,7 +108,6 @@ class _Hybrid:
         self.reasons: dict[str, str] = {}
         self.recompute_pairs: dict[str, CandidatePair] = {}
         self._swap_ptr = 0
-        self._swap_cache: SwapOption | None = None
         self.no_keep: set[str] = set()
         self._evals: dict[tuple, tuple[int, SwapOption | None]] = {}
 
@@ -112,7 +142,6 @@ class _Hybrid:
             self.rs.evicted_by_swap(p.tensor, p.ev_pos, p.back_pos)
         else:
             self.res.evict(p.tensor, p.ev_pos, p.back_pos, SWAP_EVICTION)
-        self._swap_cache = None
 
     def recompute_ok(self, c) -> bool:
         """Choosing `c` must leave every chosen target that uses it as a source rebuildable within memory."""
@@ -150,33 +179,42 @@ class _Hybrid:
             need -= p.nbytes
         return need
 
-    def best_swap(self) -> SwapOption | None:
-        """The remaining pair with the largest FT that can be placed, with its in-trigger and overhead."""
+    def best_swap(self, lookahead: int = 16) -> SwapOption | None:
+        """The best remaining swap: walking the FT ranking, the first one that can be hidden, else the least overhead
+        per byte among the next `lookahead` usable pairs (FT alone ignores the link queues)."""
         if self.sp is None:
             return None
-        if self._swap_cache is not None and self._swap_cache.pair.tensor not in self.taken:
-            p = self._swap_cache.pair
-            if not self.rs or not self.rs.would_break(p.tensor, p.ev_pos, p.back_pos):
-                return self._swap_cache
-        while self._swap_ptr < len(self.ranking):
-            p = self.ranking[self._swap_ptr]
+        best, best_cost, seen = None, float("inf"), 0
+        i = self._swap_ptr
+        while i < len(self.ranking) and seen < lookahead:
+            p = self.ranking[i]
+            i += 1
             if p.tensor in self.taken:
-                self._swap_ptr += 1
+                if i - 1 == self._swap_ptr:
+                    self._swap_ptr = i
                 continue
             opt = self.evaluate(p)
-            if self._usable(opt, self.ctx.need_window):
-                self._swap_cache = opt
+            if not self._usable(opt, self.ctx.need_window):
+                if i - 1 == self._swap_ptr:
+                    self._swap_ptr = i  # placed or not, it stays useless: skip it from now on
+                continue
+            seen += 1
+            if opt.hidden:
                 return opt
-            self._swap_ptr += 1
-        return None
+            cost = opt.overhead / p.nbytes
+            if cost < best_cost:
+                best, best_cost = opt, cost
+        return best
 
     def covering_swap(self, pos: int) -> SwapOption | None:
-        """The pair with the largest FT whose tensor would be off the device during op `pos`."""
+        """A swap that keeps its tensor off the device during op `pos`: the largest tensor whose swap is hidden, else
+        the least overhead per byte among the first MAX_SCAN that cover it."""
         if self.sp is None:
             return None
         idx = self.idx
         t0, t1 = idx.start[pos], idx.end[pos]
         scanned = 0
+        best, best_cost = None, float("inf")
         for p in self.cover_ranking:
             if p.tensor in self.taken or not p.ev_pos < pos < p.back_pos or p.t_evict_end + p.swap_out_s > t0:
                 continue
@@ -185,10 +223,14 @@ class _Hybrid:
             if opt is not None:
                 a, b = opt.off_device()
                 if a <= t0 and b >= t1 and self._usable(opt, (t0, t1)):
-                    return opt
+                    if opt.hidden:
+                        return opt
+                    cost = opt.overhead / p.nbytes
+                    if cost < best_cost:
+                        best, best_cost = opt, cost
             if scanned >= MAX_SCAN:
                 break
-        return None
+        return best
 
     def covering_retrigger(self, pos: int) -> tuple[SwapOption, float] | None:
         """A chosen swap still on the device during op `pos` whose in-trigger can move to `pos` or later: the option
@@ -202,6 +244,8 @@ class _Hybrid:
             p = opt.pair
             if not p.ev_pos < pos < p.back_pos or opt.trigger_pos is None or opt.trigger_pos >= pos:
                 continue
+            if opt.in_start >= t1:
+                continue  # already away during that op
             new = self.sp.retrigger_option(t, pos)
             if new is None:
                 continue
@@ -253,10 +297,46 @@ class _Hybrid:
                     dropped = True
         return dropped
 
-    def cover_peak(self, pos: int, excess: int) -> int:
-        """Phase 4: evictions off the device at op `pos`, until `excess` bytes are covered."""
+    def floor_at(self, pos: int) -> int:
+        """A lower bound of the memory during op `pos` under any plan made of these candidates: the ideal level then,
+        minus every candidate tensor with a pair spanning it."""
+        idx = self.idx
+        curve = idx.replayed_curve()
+        times = [t for t, _ in curve]
+        i = max(bisect.bisect_right(times, idx.start[pos]) - 1, 0)
+        j = max(bisect.bisect_right(times, idx.end[pos]), i + 1)
+        ideal = max(b for _, b in curve[i:j])
+        seen: set[str] = set()
+        for p in self.cover_ranking:
+            if p.ev_pos < pos < p.back_pos:
+                seen.add(p.tensor)
+        return ideal - sum(idx.tensors[t].nbytes for t in seen)
+
+    def evictable_at(self, pos: int) -> int:
+        """An upper bound of the bytes still to gain at op `pos`: tensors not chosen yet with a pair spanning it, and
+        chosen swaps whose in-trigger could move after it."""
+        seen = set()
+        total = 0
+        for p in self.cover_ranking:
+            if p.tensor not in seen and p.tensor not in self.taken and p.ev_pos < pos < p.back_pos:
+                seen.add(p.tensor)
+                total += p.nbytes
+        if self.sp is not None:
+            for opt in self.sp.chosen.values():
+                p = opt.pair
+                if p.ev_pos < pos < p.back_pos and opt.trigger_pos is not None and opt.trigger_pos < pos:
+                    total += p.nbytes
+        return total
+
+    def cover_peak(self, pos: int, excess: int, max_actions: int = 256) -> int:
+        """Phase 4: evictions off the device at op `pos`, until `excess` bytes are covered (at most `max_actions`
+        before the plan is simulated again). 0 if nothing can be done, or not enough to ever cover it."""
+        if self.evictable_at(pos) < excess:
+            return 0
         added = 0
-        while added < excess:
+        actions = 0
+        while added < excess and actions < max_actions:
+            actions += 1
             where = f"to lower the predicted peak at op {self.idx.op_names[pos]}"
             s = self.covering_swap(pos)
             r = self.best_recompute(lambda c: c.pair.ev_pos < pos < c.pair.back_pos)
@@ -269,7 +349,6 @@ class _Hybrid:
                 if q_cost <= s_cost and q_cost <= r_cost:
                     t = opt.pair.tensor
                     self.sp.retrigger(opt)
-                    self._swap_cache = None
                     self.reasons[t] += f"; in-trigger moved to op {self.idx.op_names[opt.trigger_pos]} {where}"
                     added += opt.pair.nbytes
                     continue
@@ -327,6 +406,7 @@ def hybrid(
     early_recompute: bool = True,
     max_rounds: int = 64,
     index=None,
+    _report: dict | None = None,
 ) -> Plan:
     """Algorithm 1 with the given halves enabled (see the module docstring). Returns a simulated Plan."""
     started = time.perf_counter()
@@ -363,6 +443,8 @@ def hybrid(
         if h.unkeep_at_peak(decisions, sim):
             pass
         elif not h.cover_peak(_peak_op_pos(sim), excess):
+            if _report is not None:
+                _report["hopeless"] = h.floor_at(_peak_op_pos(sim)) + ctx.margin > ctx.budget
             reason = (
                 f"predicted peak {sim.peak_bytes + ctx.margin} bytes at op {sim.peak_op!r} exceeds the budget "
                 f"{ctx.budget} bytes, and no remaining candidate tensor can be off the device there"

@@ -396,13 +396,15 @@ def _ref(idx: TraceIndex, tid: str, k: int) -> AccessRef:
     return AccessRef(tid, k, a.op, a.time)
 
 
-def move_early(ctx: Context, decisions: list, sim, residency: Residency) -> list:
+def move_early(ctx: Context, decisions: list, sim, residency: Residency, max_look: int = 256) -> list:
     """Beyond the paper: runs replays in idle gaps of the simulated timeline ahead of their back-access.
 
-    For each on-demand replay (latest back-access first), the latest op j before its back-access, after its
-    evicted-access, such that the compute stream is idle for at least the replay's time before op j+1, its sources
-    are resident before j+1 (the same chain), and the simulated memory from j+1 to the back-access plus what the
-    replay keeps stays within the limit. Each gap is used once. Returns new decisions (others unchanged)."""
+    For each on-demand replay (latest back-access first), among the ops j after its evicted-access and before its
+    back-access (at most `max_look` back), the one whose idle gap before op j+1 hides most of the replay (the latest
+    on ties), provided its inputs are resident before j+1 and the simulated memory from j+1 to the back-access, plus
+    what the replay rebuilds and keeps, stays within the limit. The replay then runs after op j (trigger mode
+    ``early``); each gap is used once. Returns new decisions (the others unchanged); the caller keeps them only if
+    the simulation says the step is faster and the budget still holds."""
     idx = ctx.idx
     idle = list(sim.idle_before)
     out = list(decisions)
@@ -422,24 +424,26 @@ def move_early(ctx: Context, decisions: list, sim, residency: Residency) -> list
         replay_pos = [idx.pos[o] for o in d.replay_ops]
         produced = {x for o in replay_pos for x in idx.op_outputs[o]}
         inputs = {x for o in replay_pos for x in idx.op_inputs[o]} - produced
-        for j in range(back - 1, ev, -1):
-            if idle[j + 1] < need:
+        best_j, best_hidden = None, 0.0
+        for j in range(back - 1, max(ev, back - 1 - max_look), -1):
+            hidden = min(idle[j + 1], need)
+            if hidden <= best_hidden + 1e-12 or not idx.has_access(j):
                 continue
             if not all(residency.resident(x, j + 1) for x in inputs):
                 continue
-            if any(idx.tensors[x].prod_pos >= j + 1 for x in inputs if x in idx.tensors):
-                continue
             if sim.max_bytes_between(sim.op_start[j + 1], sim.op_start[back]) + hold > limit:
                 continue
-            if not idx.has_access(j):
-                continue
-            a = idx.representative_access(j)
-            idle[j + 1] -= need
-            out[i] = dataclasses.replace(
-                d,
-                trigger=AccessRef(a.tensor, a.index, a.op, a.time),
-                trigger_mode=EARLY,
-                reason=(d.reason + "; " if d.reason else "") + f"replayed early after op {a.op} (idle compute)",
-            )
-            break
+            best_j, best_hidden = j, hidden
+            if hidden >= need:
+                break
+        if best_j is None or best_hidden < 0.05 * need:
+            continue
+        a = idx.representative_access(best_j)
+        idle[best_j + 1] -= best_hidden
+        out[i] = dataclasses.replace(
+            d,
+            trigger=AccessRef(a.tensor, a.index, a.op, a.time),
+            trigger_mode=EARLY,
+            reason=(d.reason + "; " if d.reason else "") + f"replayed early after op {a.op} (idle compute)",
+        )
     return out

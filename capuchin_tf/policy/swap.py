@@ -23,7 +23,7 @@ import dataclasses
 from capuchin_tf.policy.candidates import CandidatePair, Context
 
 EPS = 1e-12
-MAX_TRIGGER_STEPS = 48
+MAX_TRIGGER_STEPS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,7 @@ class Trial:
     end: float
     pushed: tuple[tuple[int, float, float], ...]  # (queue index, new start, new end) of copies pushed later
     extra_lateness: float  # how much later than their deadlines the pushed copies now end (sum, seconds)
+    complete: bool = True  # False: the walk stopped once extra_lateness exceeded the caller's budget (inf then)
 
 
 class LinkSchedule:
@@ -51,18 +52,28 @@ class LinkSchedule:
     def __len__(self) -> int:
         return len(self.issue)
 
-    def trial(self, issue: float, dur: float) -> Trial:
+    def start_if_queued(self, issue: float) -> tuple[int, float]:
+        """(queue position, start) of a copy queued at `issue`, without walking the copies it would push."""
         p = bisect.bisect_right(self.issue, issue)
-        start = max(issue, self.end[p - 1]) if p else issue
+        return p, (max(issue, self.end[p - 1]) if p else issue)
+
+    def trial(self, issue: float, dur: float, budget: float = float("inf")) -> Trial:
+        """A copy queued at `issue`: its start and end, and what it does to the copies queued after it. Stops (and
+        reports infinite lateness) as soon as the lateness pushed onto them exceeds `budget`."""
+        p, start = self.start_if_queued(issue)
         end = start + dur
         cur, extra, pushed = end, 0.0, []
-        for j in range(p, len(self.issue)):
-            ns = max(self.issue[j], cur)
-            if ns <= self.start[j] + EPS:
+        issues, starts, durs, ends, deadlines = self.issue, self.start, self.dur, self.end, self.deadline
+        for j in range(p, len(issues)):
+            ns = issues[j] if issues[j] > cur else cur
+            if ns <= starts[j] + EPS:
                 break
-            ne = ns + self.dur[j]
-            dl = self.deadline[j]
-            extra += max(0.0, ne - dl) - max(0.0, self.end[j] - dl)
+            ne = ns + durs[j]
+            dl = deadlines[j]
+            if ne > dl:
+                extra += ne - dl - (ends[j] - dl if ends[j] > dl else 0.0)
+                if extra > budget:
+                    return Trial(p, issue, dur, start, end, (), float("inf"), complete=False)
             pushed.append((j, ns, ne))
             cur = ne
         return Trial(p, issue, dur, start, end, tuple(pushed), extra)
@@ -82,6 +93,8 @@ class LinkSchedule:
             self.start[j], self.end[j] = ns, ns + self.dur[j]
 
     def commit(self, t: Trial, deadline: float, owner: str) -> None:
+        if not t.complete:
+            raise ValueError("cannot commit an incomplete trial")
         for j, ns, ne in t.pushed:
             self.start[j], self.end[j] = ns, ne
         p = t.pos
@@ -162,13 +175,21 @@ class SwapPlanner:
                 continue
             steps += 1
             issue = max(e, out_end)
-            tr = self.h2d.trial(issue, pair.swap_in_s)
-            stall = max(0.0, tr.end - pair.t_back)
-            over = stall + tr.extra_lateness + out_extra
-            if best is None or over < best.overhead - EPS:
+            _, start = self.h2d.start_if_queued(issue)
+            stall = max(0.0, start + pair.swap_in_s - pair.t_back)
+            if best is not None and stall + out_extra >= best.overhead - EPS:
+                if e <= out_end:
+                    break
+                continue  # cannot beat the best so far, whatever it pushes
+            budget = best.overhead - EPS - stall - out_extra if best is not None else float("inf")
+            tr = self.h2d.trial(issue, pair.swap_in_s, budget)
+            if tr.complete:
+                over = stall + tr.extra_lateness + out_extra
                 best = SwapOption(pair, j, out, tr, stall, over)
-            if over <= EPS or e <= out_end:
-                break  # hidden; or every earlier trigger would issue at the swap-out's end all the same
+                if over <= EPS:
+                    break  # hidden
+            if e <= out_end:
+                break  # every earlier trigger would issue at the swap-out's end all the same
         if best is None:
             # No trigger candidate at or before the ideal start (or all in the peak period): take the latest
             # allowed trigger after it (the prefetch will be late, the stall is its overhead).
@@ -209,11 +230,13 @@ class SwapPlanner:
     def retrigger_option(self, t: str, not_before: int) -> SwapOption | None:
         """What the chosen swap of `t` would become with its in-trigger at op `not_before` or later (beyond the
         paper: an in-trigger moved later, to keep the tensor away during that op). Changes nothing."""
+        version = self.version
         old = self._uncommit(t)
         try:
             return self.evaluate(old.pair, not_before=not_before)
         finally:
             self.commit(self.evaluate_at(old.pair, old.trigger_pos))
+            self.version = version  # the queues are as they were: cached evaluations stay valid
 
     def retrigger(self, opt: SwapOption) -> None:
         """Replaces the chosen swap of the same tensor by `opt` (from retrigger_option)."""

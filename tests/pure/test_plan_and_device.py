@@ -1,0 +1,88 @@
+"""The plan's JSON (schema version, round trip, errors) and the device model's links."""
+
+import dataclasses
+import json
+
+import pytest
+
+from capuchin_tf import synthetic
+from capuchin_tf.device_model import NATIVE_BYTES_PER_S, P100_FLOP_PER_BYTE, DeviceModel, DeviceModelError
+from capuchin_tf.plan import PLAN_SCHEMA_VERSION, Plan, PlanError
+from capuchin_tf.policy import make_plan
+
+
+@pytest.fixture(scope="module")
+def plan():
+    trace = synthetic.transformer(2)
+    return make_plan(trace, synthetic.budget_fraction(trace, 0.5), "capuchin", DeviceModel.from_link("p100", trace))
+
+
+def test_the_plan_round_trips_through_json(plan, tmp_path):
+    assert plan.swaps and plan.recomputes
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == PLAN_SCHEMA_VERSION and data["kind"] == "capuchin_tf.Plan"
+    again = Plan.load(path)
+    assert again == dataclasses.replace(plan, options=again.options)
+    assert dict(again.options) == dict(plan.options)
+    assert again.to_json() == plan.to_json()
+
+
+def test_the_plan_is_immutable(plan):
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.feasible = False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.decisions[0].tensor = "x"
+    assert isinstance(plan.decisions, tuple)
+
+
+def test_plan_files_of_another_kind_or_version_are_refused(plan, tmp_path):
+    d = plan.to_json()
+    with pytest.raises(PlanError, match="schema version 99"):
+        Plan.from_json({**d, "schema_version": 99})
+    with pytest.raises(PlanError, match="not a capuchin_tf plan"):
+        Plan.from_json({**d, "kind": "capuchin_tf.AccessTrace"})
+    bad = {**d, "decisions": [{**d["decisions"][0], "kind": "teleport"}]}
+    with pytest.raises(PlanError, match="unknown kind 'teleport'"):
+        Plan.from_json(bad)
+    p = tmp_path / "junk.json"
+    p.write_text("{not json")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.load(p)
+
+
+def test_plan_totals(plan):
+    assert plan.swapped_bytes == sum(d.nbytes for d in plan.swaps)
+    assert plan.recomputed_bytes == sum(d.nbytes for d in plan.recomputes)
+    assert plan.predicted_overhead == pytest.approx(plan.predicted_step_s / plan.trace_step_s - 1)
+    text = plan.summary()
+    assert "swapped" in text and "recomputed" in text and "predicted peak" in text
+
+
+def test_links():
+    trace = synthetic.linear_chain(2)
+    native = DeviceModel.from_link("native", trace)
+    assert native.d2h_bytes_per_s == native.h2d_bytes_per_s == NATIVE_BYTES_PER_S == 6e9
+    assert native.swap_out_time(6e9) == pytest.approx(1.0)
+    p100 = DeviceModel.from_link("p100", trace)
+    assert p100.h2d_bytes_per_s == pytest.approx(trace.meta["flops"] / trace.step_time / P100_FLOP_PER_BYTE)
+    assert DeviceModel.from_link("2.5e9").d2h_bytes_per_s == 2.5e9
+    assert DeviceModel.from_link(1e9).swap_in_time(5e8) == pytest.approx(0.5)
+    assert DeviceModel(1e9, 2e9).swap_in_time(2e9) == pytest.approx(1.0)
+    assert DeviceModel.from_json(p100.to_json()) == p100
+
+
+def test_bad_links_are_refused_clearly():
+    trace = synthetic.linear_chain(2)
+    with pytest.raises(DeviceModelError, match="meta\\['flops'\\]"):
+        DeviceModel.from_link("p100", dataclasses.replace(trace, meta={}))
+    with pytest.raises(DeviceModelError, match="needs the trace"):
+        DeviceModel.from_link("p100")
+    with pytest.raises(DeviceModelError, match="unknown link 'pcie9'"):
+        DeviceModel.from_link("pcie9")
+    for bad in ("-1", "0", "inf", "nan"):
+        with pytest.raises(DeviceModelError):
+            DeviceModel.from_link(bad)
+    with pytest.raises(DeviceModelError):
+        DeviceModel(0, 1e9)

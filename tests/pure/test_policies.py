@@ -1,0 +1,240 @@
+"""The registered policies on synthetic traces: registry, plans the simulator accepts, the baselines' rules."""
+
+import math
+
+import pytest
+from conftest import MB
+
+from capuchin_tf import synthetic
+from capuchin_tf.device_model import DeviceModel
+from capuchin_tf.graph_model import Role
+from capuchin_tf.plan import Plan
+from capuchin_tf.policy import POLICIES, UnknownPolicyError, get_policy, make_plan, register_policy
+from capuchin_tf.policy.baselines import articulation_points
+from capuchin_tf.policy.candidates import candidate_pairs, make_context
+from capuchin_tf.simulator import check_decisions, simulate
+from capuchin_tf.trace_index import TraceIndex
+
+NATIVE = DeviceModel.from_link("native")
+TRACES = {
+    "chain": lambda: synthetic.linear_chain(6, batch=512, width=512),
+    "resnet": lambda: synthetic.resnet(3),
+    "transformer": lambda: synthetic.transformer(2),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TRACES))
+def trace(request):
+    return TRACES[request.param]()
+
+
+def test_the_registry_has_every_benchmark_policy_by_name():
+    assert list(POLICIES) == ["tf", "swap-all", "checkpoint", "swap-only", "recompute-only", "capuchin"]
+    for name in POLICIES:
+        assert callable(get_policy(name))
+    with pytest.raises(UnknownPolicyError) as e:
+        get_policy("vdnn")
+    assert "unknown policy 'vdnn'" in str(e.value) and "capuchin" in str(e.value) and "swap-all" in str(e.value)
+    with pytest.raises(ValueError):
+        register_policy("tf", POLICIES["tf"])
+
+
+def test_a_policy_can_be_registered(trace):
+    def nothing(trace, budget_bytes, device_model, **options):
+        return POLICIES["tf"](trace, budget_bytes, device_model, **options)
+
+    register_policy("test-nothing", nothing)
+    try:
+        assert make_plan(trace, 1 << 40, "test-nothing", NATIVE).feasible
+    finally:
+        del POLICIES["test-nothing"]
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("link", ["native", "p100"])
+def test_every_policy_gives_a_plan_the_simulator_accepts(trace, policy, link):
+    dm = DeviceModel.from_link(link, trace)
+    budget = synthetic.budget_fraction(trace, 0.6)
+    plan = make_plan(trace, budget, policy, dm)
+    assert plan.policy == policy and plan.budget_bytes == budget
+    check_decisions(TraceIndex(trace), plan.decisions)
+    again = Plan.from_json(plan.to_json())
+    sim = simulate(trace, again)
+    assert sim.peak_bytes + plan.margin_bytes == plan.predicted_peak_bytes
+    assert sim.step_time == pytest.approx(plan.predicted_step_s)
+    assert plan.feasible == (plan.predicted_peak_bytes <= budget)
+    if not plan.feasible:
+        assert plan.reason and any(o.name in plan.reason for o in trace.ops)
+    names = {o.name for o in trace.ops}
+    for d in plan.decisions:  # every access the rewriter maps names a real op of the trace
+        assert d.evicted_access.op in names and d.back_access.op in names
+        trig = d.in_trigger if d.kind == "swap" else d.trigger
+        assert trig is None or trig.op in names
+        if d.kind == "recompute":
+            assert set(d.replay_ops) <= names
+
+
+def test_tf_evicts_nothing_and_fits_only_if_the_step_fits(trace):
+    peak = trace.replayed_peak_bytes()
+    assert make_plan(trace, peak, "tf", NATIVE).feasible
+    plan = make_plan(trace, peak - 1, "tf", NATIVE)
+    assert not plan.feasible and plan.decisions == ()
+    assert plan.predicted_peak_bytes == peak and plan.predicted_step_s == pytest.approx(trace.step_time)
+
+
+@pytest.mark.parametrize("policy", ["capuchin", "swap-only", "recompute-only"])
+def test_capuchin_policies_do_nothing_when_the_step_fits(trace, policy):
+    plan = make_plan(trace, trace.replayed_peak_bytes(), policy, NATIVE)
+    assert plan.feasible and plan.decisions == () and plan.saving_target_bytes == 0
+
+
+@pytest.mark.parametrize("name", sorted(TRACES))
+def test_capuchin_meets_half_the_transient_peak_on_the_native_link_at_no_cost(name):
+    trace = TRACES[name]()
+    budget = synthetic.budget_fraction(trace, 0.5)
+    plan = make_plan(trace, budget, "capuchin", NATIVE)
+    assert plan.feasible, plan.reason
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.predicted_overhead < 0.01  # the native link hides everything here: the paper's "swap first"
+    assert plan.swaps
+
+
+def test_capuchin_mixes_in_recomputation_when_the_link_is_slow():
+    trace = synthetic.transformer(2)
+    budget = synthetic.budget_fraction(trace, 0.5)
+    plan = make_plan(trace, budget, "capuchin", DeviceModel.from_link("p100", trace))
+    assert plan.feasible
+    assert plan.swaps and plan.recomputes
+    swap_only = make_plan(trace, budget, "swap-only", DeviceModel.from_link("p100", trace))
+    assert not swap_only.feasible or swap_only.predicted_step_s >= plan.predicted_step_s
+
+
+def test_an_unreachable_budget_names_the_op_whose_working_set_exceeds_it(trace):
+    idx = TraceIndex(trace)
+    ws = idx.working_sets()
+    worst = max(range(len(ws)), key=ws.__getitem__)
+    plan = make_plan(trace, ws[worst] - 1, "capuchin", NATIVE)
+    assert not plan.feasible
+    assert plan.unreachable_op == idx.op_names[worst]
+    assert repr(idx.op_names[worst]) in plan.reason and "unreachable" in plan.reason
+
+
+def test_candidates_are_never_persistent_and_are_accessed_more_than_once(trace):
+    ctx = make_context(trace, synthetic.budget_fraction(trace, 0.5), NATIVE)
+    pairs = candidate_pairs(ctx)
+    assert pairs
+    w = ctx.need_window
+    for tid, ps in pairs.items():
+        assert tid not in ctx.idx.persistent and not trace.graph.tensors[tid].persistent
+        assert trace.tensors[tid].access_count > 1
+        assert trace.tensors[tid].alive_during(w[0], w[1], trace.step_time)
+        for p in ps:  # consecutive accesses, with FT per eq. 1
+            assert p.back_pos > p.ev_pos
+            assert p.free_time == pytest.approx((p.t_back - p.swap_in_s) - (p.t_evict_end + p.swap_out_s))
+
+
+def test_swap_all_swaps_every_tensor_the_backward_pass_needs_and_prefetches_one_layer_ahead():
+    trace = synthetic.resnet(3)
+    idx = TraceIndex(trace)
+    plan = make_plan(trace, 1 << 40, "swap-all", NATIVE)
+    needed = {
+        t
+        for t, v in idx.tensors.items()
+        if v.nbytes > 0
+        and idx.op_role[v.prod_pos] == Role.FORWARD
+        and any(idx.op_role[p] == Role.BACKWARD for p in v.acc_pos[1:])
+    }
+    assert {d.tensor for d in plan.swaps} == needed
+    layers = [i for i in range(idx.n_ops) if idx.op_role[i] == Role.BACKWARD and idx.is_layer_op(i)]
+    checked = 0
+    for d in plan.swaps:
+        v = idx.tensors[d.tensor]
+        back = v.acc_pos[d.back_access.index]
+        assert idx.op_role[back] == Role.BACKWARD
+        assert all(idx.op_role[p] != Role.BACKWARD for p in v.acc_pos[: d.back_access.index])  # first backward use
+        before = [x for x in layers if x < back]
+        if len(before) >= 2 and before[-2] >= v.acc_pos[d.evicted_access.index]:
+            assert d.in_trigger.op == idx.op_names[before[-2]]  # the layer before the back-access's layer
+            assert idx.op_type[before[-2]] in ("Conv2DBackpropInput", "Conv2DBackpropFilter")
+            checked += 1
+    assert checked >= 3
+
+
+def test_checkpoint_keeps_articulation_points_on_a_sqrt_grid_and_recomputes_segments_once():
+    trace = synthetic.linear_chain(16, batch=2048, width=256)  # activations dominate
+    idx = TraceIndex(trace)
+    points = articulation_points(idx)
+    assert points and all(idx.op_role[idx.tensors[t].prod_pos] == Role.FORWARD for t in points)
+    plan = make_plan(trace, 1 << 40, "checkpoint", NATIVE)
+    opts = dict(plan.options)
+    read_in_backward = [t for t in points if any(idx.op_role[p] == Role.BACKWARD for p in idx.tensors[t].acc_pos)]
+    assert opts["articulation_points"] == len(read_in_backward)
+    assert opts["checkpoints"] == len(read_in_backward) // max(1, round(math.sqrt(len(read_in_backward))))
+    recomputed = {d.tensor for d in plan.recomputes}
+    kept = [t for t in read_in_backward if t not in recomputed]
+    assert len(kept) == opts["checkpoints"]
+    # a forward pass's worth of recomputation at most: every op replayed once (collective recomputation)
+    replayed = [o for d in plan.recomputes for o in d.replay_ops]
+    assert len(replayed) == len(set(replayed))
+    forward = sum(o.duration for o in trace.ops if o.role == Role.FORWARD)
+    assert 0 < plan.predicted_recompute_s <= forward
+    assert plan.predicted_peak_bytes < trace.replayed_peak_bytes()
+
+
+def test_stateful_dropout_is_never_recomputed():
+    trace = synthetic.transformer(2, stateful_dropout=True)
+    idx = TraceIndex(trace)
+    for policy in ("recompute-only", "capuchin", "checkpoint"):
+        plan = make_plan(trace, synthetic.budget_fraction(trace, 0.4), policy, DeviceModel.from_link("p100", trace))
+        for d in plan.recomputes:
+            for o in d.replay_ops:
+                assert idx.replayable[idx.pos[o]] and "RandomUniform" not in o
+
+
+def test_plan_json_names_the_decisions_and_their_reasons():
+    trace = synthetic.transformer(2)
+    plan = make_plan(trace, synthetic.budget_fraction(trace, 0.5), "capuchin", DeviceModel.from_link("p100", trace))
+    d = plan.to_json()
+    for key in ("schema_version", "policy", "budget_bytes", "saving_target_bytes", "feasible", "predicted_peak_bytes",
+                "predicted_step_s", "predicted_overhead", "swapped_bytes", "recomputed_bytes", "n_swaps",
+                "n_recomputes", "decisions", "device"):
+        assert key in d
+    for x in d["decisions"]:
+        assert x["reason"]
+        if x["kind"] == "swap":
+            assert {"free_time_s", "in_trigger", "evicted_access", "back_access", "predicted_stall_s"} <= set(x)
+        else:
+            assert {"sources", "replay_ops", "trigger", "msps", "predicted_stall_s"} <= set(x)
+    assert d["n_swaps"] == len(plan.swaps) and d["swapped_bytes"] == sum(s.nbytes for s in plan.swaps)
+
+
+def test_a_budget_below_the_peak_is_met_with_both_links_or_reported(trace):
+    for frac in (0.8, 0.6, 0.4):
+        budget = synthetic.budget_fraction(trace, frac)
+        plan = make_plan(trace, budget, "capuchin", NATIVE)
+        assert plan.feasible == (plan.predicted_peak_bytes <= budget)
+        assert plan.saving_target_bytes == trace.replayed_peak_bytes() - budget
+
+
+def test_make_plan_checks_the_budget():
+    trace = synthetic.linear_chain(2)
+    with pytest.raises(ValueError, match="budget"):
+        make_plan(trace, -MB, "capuchin")
+
+
+def test_replays_move_into_idle_gaps_when_that_hides_them_and_memory_allows():
+    trace = synthetic.linear_chain(6, batch=2048, width=256, gap_s=30e-3)  # 30 ms idle between ops
+    budget = synthetic.budget_fraction(trace, 0.7)
+    slow = DeviceModel.symmetric(1e6)
+    paper = make_plan(trace, budget, "recompute-only", slow, early_recompute=False)
+    early = make_plan(trace, budget, "recompute-only", slow, early_recompute=True)
+    assert paper.feasible and early.feasible
+    assert all(d.trigger_mode == "on-demand" and d.trigger == d.back_access for d in paper.recomputes)
+    moved = [d for d in early.recomputes if d.trigger_mode == "early"]
+    assert moved
+    idx = TraceIndex(trace)
+    for d in moved:
+        v = idx.tensors[d.tensor]
+        assert v.acc_pos[d.evicted_access.index] < idx.pos[d.trigger.op] < v.acc_pos[d.back_access.index]
+    assert early.predicted_step_s < paper.predicted_step_s
+    assert early.predicted_peak_bytes <= budget
