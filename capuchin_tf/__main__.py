@@ -2,6 +2,4 @@
 
 from capuchin_tf.cli import main
 
-import capuchin_tf.profile_cli  # noqa: E402,F401  (registers `profile`)
-
 raise SystemExit(main())

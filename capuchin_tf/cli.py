@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from capuchin_tf import profile_cli  # noqa: F401  (registers `profile`; imports TensorFlow only when run)
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:

@@ -1,18 +1,21 @@
 """The hybrid policy (paper.md §1.8, Algorithm 1), and its two halves alone (swap-only, recompute-only).
 
-1. Candidates and their pairs; the pairs ranked by free time FT, largest first.
+1. Candidates and their pairs (candidates.py); the pairs ranked by free time FT, largest first.
 2. Swaps that can be fully hidden (an in-trigger with zero expected stall, nothing queued made late), taken from the
    top of the ranking, each tensor at most once, until the saving target is met.
-3. While the target is not met: s = the best remaining swap (largest FT) with its in-trigger and overhead (the stall
-   left after overlap, plus the lateness it pushes onto queued copies); r = the recompute candidate with the largest
-   MSPS, whose overhead is rp_time + ext_time. The cheaper per byte saved is kept (ties go to the swap); the other
-   stays a candidate. Sources, MSPS and swap feasibility are updated after each pick (Algorithm 2's updates).
-4. Beyond the paper's scalar target: the plan is simulated; while its predicted peak exceeds the budget, the same
-   choice is made among the candidates that are off the device at the op of the predicted peak, enough bytes to
-   cover the excess, and the plan is simulated again. If none is left, the plan is reported not feasible, naming
+3. While the target is not met (Algorithm 1's loop): s = the best remaining swap, with its in-trigger and overhead
+   (the stall left after overlap plus the lateness it pushes onto queued copies): walking the FT ranking, the first
+   that can be hidden, else the least overhead per byte among the next few; r = the recompute candidate with the
+   largest MSPS, whose overhead is rp_time + ext_time. The cheaper per byte saved is kept (ties go to the swap); the
+   other stays a candidate. Sources, MSPS and swap feasibility are updated after each pick (Algorithm 2's updates).
+4. Beyond the paper's scalar target: the plan is simulated; while its predicted peak exceeds the budget, first the
+   tensors collective recomputation keeps at that moment are no longer kept ("if memory allows"), else the same
+   choice is made among what would be off the device at the op of the predicted peak (new swaps, with the
+   peak-period rule waived; recomputations; or a chosen swap's in-trigger moved after that op), enough bytes to
+   cover the excess, and the plan is simulated again. If nothing is left, the plan is reported not feasible, naming
    the op (or, if an op's working set alone exceeds the budget, that op).
 5. Beyond the paper: replays are moved into idle gaps before their back-access when that hides them and memory
-   allows (recompute.move_early); kept only if the simulation says it is not worse.
+   allows (recompute.move_early); kept only if the simulation says the step is faster and the budget holds.
 """
 
 from __future__ import annotations
@@ -58,14 +61,14 @@ def plan_capuchin(
     if plan.feasible or not fallback or plan.unreachable_op is not None or report.get("hopeless"):
         return plan  # (hopeless: even evicting every candidate could not bring that op under the budget)
     index = options.pop("index", None) or TraceIndex(trace)
-    fits = []
+    fitting = []
     for half, sw, rc in (("swap-only", True, False), ("recompute-only", False, True)):
         p = hybrid(trace, budget_bytes, device_model, policy="capuchin", swap=sw, recompute=rc, index=index, **options)
         if p.feasible:
-            fits.append((p.predicted_step_s, half, p))
-    if not fits:
+            fitting.append((p.predicted_step_s, half, p))
+    if not fitting:
         return plan
-    _, half, best = min(fits, key=lambda x: x[:2])
+    _, half, best = min(fitting, key=lambda x: x[:2])
     return dataclasses.replace(
         best,
         options=tuple(sorted(dict(best.options, fallback=half).items())),
@@ -469,4 +472,4 @@ def hybrid(
     return finalize(ctx, policy, decisions, options=options, started=started, sim=sim, reason=reason)
 
 
-__all__ = ["plan_capuchin", "plan_swap_only", "plan_recompute_only", "hybrid", "RECOMPUTE_EVICTION"]
+__all__ = ["plan_capuchin", "plan_swap_only", "plan_recompute_only", "hybrid"]
