@@ -166,6 +166,17 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
     return outputs, trace
 
 
+def count_flops(concrete) -> int:
+    """Floating-point operations of one step, counted from its graph by TensorFlow's v1 profiler (benchmarks.md:
+    the p100 link regime divides the step's FLOP rate by 258 FLOP per byte). Ops without a registered count
+    contribute nothing."""
+    from tensorflow.compat.v1 import profiler as v1_profiler
+
+    opts = v1_profiler.ProfileOptionBuilder(v1_profiler.ProfileOptionBuilder.float_operation()).with_empty_output()
+    result = v1_profiler.profile(concrete.graph, options=opts.build())
+    return int(result.total_float_ops)
+
+
 def plot_memory_curve(trace: AccessTrace, path: str, title: str = "") -> None:
     """A PNG of the measured and replayed memory curves, with the peak window and the budget marked."""
     try:

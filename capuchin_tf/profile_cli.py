@@ -77,9 +77,10 @@ def _run_worker(a: argparse.Namespace) -> int:
         for i in range(a.steps):
             t0 = time.perf_counter()
             if a.mode == "measured" and i == 0:
+                flops = profile.count_flops(setup.train_step.get_concrete_function(*setup.inputs))
                 loss, trace = profile.measure_step(
                     setup.train_step, setup.inputs, budget_bytes=a.budget_bytes,
-                    meta={"model": a.model, "batch": a.batch, **setup.info})
+                    meta={"model": a.model, "batch": a.batch, "flops": flops, **setup.info})
                 trace.save(a.trace)
             else:
                 tf.config.experimental.reset_memory_stats("CPU:0")
