@@ -45,7 +45,7 @@ MAX_SCAN = 64  # swap pairs evaluated per pick when looking for one that covers 
 
 
 def plan_capuchin(
-    trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, *, fallback: bool = True, **options
+    trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, *, fallback: bool = False, **options
 ) -> Plan:
     """Capuchin's hybrid policy: free swaps first, then the cheaper of swap and recompute (Algorithm 1).
 
