@@ -41,7 +41,8 @@ from capuchin_tf.simulator import InfeasiblePlanError, simulate
 from capuchin_tf.trace import AccessTrace
 from capuchin_tf.trace_index import TraceIndex
 
-MAX_SCAN = 64  # swap pairs evaluated per pick when looking for one that covers the predicted peak
+MAX_SCAN = 16  # swap pairs evaluated per pick when looking for one that covers the predicted peak (64 was
+# slower and no better on the measured ResNet50, bert-4l and BERT-base traces: docs/results.md)
 
 
 def plan_capuchin(
