@@ -11,12 +11,17 @@ after the second-latest backward conv/matmul op before the back-access (else the
 the evicted-access's op itself). vDNN's per-layer synchronisation is not modelled: swaps are decoupled from compute,
 as for every policy here.
 
-**checkpoint** (Chen et al. 2016, OpenAI gradient-checkpointing "memory" mode): articulation points of the forward
-chain (a cut of the forward ops crossed by exactly one forward tensor, with a non-empty buffer, that the backward pass
-reads) are the checkpoint candidates; one in every round(sqrt(n)) of them is kept. Every other tensor the backward
-pass reads is freed after its last forward use and recomputed at its first backward use from the nearest resident
-tensors (the previous checkpoint, typically), one segment at a time thanks to collective recomputation. Tensors whose
-producer cannot be replayed exactly stay.
+**checkpoint** (Chen et al. 2016, OpenAI gradient-checkpointing "memory" mode). Only *pure forward* ops count: forward
+ops with no backward or optimizer op among their ancestors (the graph model roles by name scope, so gradient sums
+outside ``gradient_tape/``, such as ``AddN``, are roled forward; rebuilding one would replay the backward pass).
+Articulation points: pure forward tensors (at least 1% of the largest) that alone cross a cut of the forward ops
+taken in an as-late-as-possible topological order (the executor runs independent work early, e.g. dropout masks
+drawn from seeds, which in executed order crosses every cut up to its reader). Of those the backward pass reads,
+len // round(sqrt(len)) are kept, on an even grid of the cumulative bytes the backward pass reads. Every other pure
+forward tensor the backward pass reads is freed after its last use before the backward pass. Segment = the tensors
+between two kept checkpoints; when the backward pass first needs a tensor of a segment, one replay runs the union of
+the chains of all the segment's tensors still evicted then (each op once), keeps them (``keeps``) and the others
+replay nothing (``regenerated_by``). Tensors whose producer cannot be replayed exactly stay.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ import time
 
 from capuchin_tf.device_model import DeviceModel
 from capuchin_tf.graph_model import Role
-from capuchin_tf.plan import Plan
+from capuchin_tf.plan import ON_DEMAND, Plan, RecomputeDecision
 from capuchin_tf.policy.candidates import CandidatePair, make_context
 from capuchin_tf.policy.common import finalize, swap_decision
-from capuchin_tf.policy.recompute import RECOMPUTE_EVICTION, Residency, assemble, chain
+from capuchin_tf.policy.recompute import RECOMPUTE_EVICTION, Residency, _ref, chain
 from capuchin_tf.trace import AccessTrace
 from capuchin_tf.trace_index import TraceIndex
 
@@ -87,36 +92,97 @@ def plan_swap_all(trace: AccessTrace, budget_bytes: int, device_model: DeviceMod
                     started=started)
 
 
-def articulation_points(idx: TraceIndex) -> list[str]:
-    """Forward tensors that alone cross some cut of the forward ops (in production order)."""
+def pure_forward_ops(idx: TraceIndex) -> list[bool]:
+    """Per op position: a forward op none of whose ancestors is a backward or optimizer op.
+
+    The graph model's roles come from name scopes, so gradient sums outside ``gradient_tape/`` (``AddN``) are roled
+    forward; replaying one would replay the backward pass that fed it. Only these ops' tensors are checkpointed or
+    dropped."""
     n = idx.n_ops
-    diff = [0] * (n + 1)
-    ids: list[str] = []
-    sums = [0] * (n + 1)
-    for tid, v in idx.tensors.items():
-        if idx.op_role[v.prod_pos] != Role.FORWARD:
+    tainted = [False] * n
+    for i in range(n):
+        if idx.op_role[i] in (Role.BACKWARD, Role.OPTIMIZER):
+            tainted[i] = True
             continue
-        last_fwd = max((p for p in v.acc_pos[1:] if idx.op_role[p] == Role.FORWARD), default=None)
-        if last_fwd is None or last_fwd <= v.prod_pos:
+        for x in idx.op_inputs[i]:
+            q = idx.producer_pos(x)
+            if q is not None and q < i and tainted[q]:
+                tainted[i] = True
+                break
+    return [idx.op_role[i] == Role.FORWARD and not tainted[i] for i in range(n)]
+
+
+def forward_order(idx: TraceIndex, pure: list[bool]) -> dict[int, int]:
+    """Rank of each pure forward op in an as-late-as-possible topological order of the forward ops.
+
+    The executor runs independent work early (dropout masks drawn from seeds, loss bookkeeping): in executed order
+    such a tensor crosses every cut up to its reader and would hide the articulation points. As late as possible,
+    it is produced just before its first reader."""
+    n = idx.n_ops
+    consumers: list[list[int]] = [[] for _ in range(n)]
+    for i in range(n):
+        if not pure[i]:
+            continue
+        for x in idx.op_inputs[i]:
+            q = idx.producer_pos(x)
+            if q is not None and q < i and pure[q]:
+                consumers[q].append(i)
+    # latest position: just before the earliest latest position of its consumers (a unit of 1 / (n + 1) per step,
+    # so that producers stay strictly before consumers); an op with no forward consumer stays where it ran
+    unit = 1.0 / (n + 1)
+    alap = [float(i) for i in range(n)]
+    for i in range(n - 1, -1, -1):
+        if pure[i] and consumers[i]:
+            alap[i] = min(alap[c] for c in consumers[i]) - unit
+    order = sorted((i for i in range(n) if pure[i]), key=lambda i: (alap[i], i))
+    return {p: r for r, p in enumerate(order)}
+
+
+ARTICULATION_MIN_FRACTION = 0.01  # crossers under this fraction of the largest forward tensor do not count
+
+
+def articulation_points(idx: TraceIndex, min_fraction: float = ARTICULATION_MIN_FRACTION) -> list[str]:
+    """Pure forward tensors that alone cross some cut of the forward ops (as late as possible), in forward order.
+
+    Crossers under `min_fraction` of the largest forward tensor are ignored (batch-norm statistics, loss
+    bookkeeping: they stay resident, or are rebuilt cheaply)."""
+    pure = pure_forward_ops(idx)
+    rank = forward_order(idx, pure)
+    m = len(rank)
+    if not m:
+        return []
+    big = max((v.nbytes for v in idx.tensors.values() if pure[v.prod_pos]), default=0)
+    thr = max(1, int(big * min_fraction))
+    diff = [0] * (m + 1)
+    sums = [0] * (m + 1)
+    ids: list[str] = []
+    for tid, v in idx.tensors.items():
+        if not pure[v.prod_pos] or v.nbytes < thr:
+            continue
+        reads = [rank[p] for p in v.acc_pos[1:] if pure[p]]
+        if not reads:
+            continue
+        a, b = rank[v.prod_pos], max(reads)
+        if b <= a:
             continue
         ids.append(tid)
         num = len(ids)  # 1-based, so a sum identifies the single crosser
-        diff[v.prod_pos] += 1
-        diff[last_fwd] -= 1
-        sums[v.prod_pos] += num
-        sums[last_fwd] -= num
+        diff[a] += 1
+        diff[b] -= 1
+        sums[a] += num
+        sums[b] -= num
     out: list[str] = []
     seen: set[str] = set()
     count = total = 0
-    for i in range(n):
-        count += diff[i]
-        total += sums[i]
-        if count == 1 and idx.op_role[i] == Role.FORWARD:
+    for r in range(m):
+        count += diff[r]
+        total += sums[r]
+        if count == 1:
             tid = ids[total - 1]
             if tid not in seen:
                 seen.add(tid)
                 out.append(tid)
-    out.sort(key=lambda t: idx.tensors[t].prod_pos)
+    out.sort(key=lambda t: rank[idx.tensors[t].prod_pos])
     return out
 
 
@@ -126,10 +192,16 @@ def plan_checkpoint(trace: AccessTrace, budget_bytes: int, device_model: DeviceM
     ctx = make_context(trace, budget_bytes, device_model, index=options.get("index"),
                        margin_bytes=options.get("margin_bytes"))
     idx = ctx.idx
-    pairs = {t: p for t in idx.tensors if (p := _backward_pair(idx, t, device_model)) is not None}
+    pure = pure_forward_ops(idx)
+    rank = forward_order(idx, pure)
+    pairs = {
+        t: p
+        for t in idx.tensors
+        if pure[idx.tensors[t].prod_pos] and (p := _backward_pair(idx, t, device_model)) is not None
+    }
     points = [t for t in articulation_points(idx) if t in pairs]
-    every = max(1, round(math.sqrt(len(points)))) if points else 1
-    keep = set(points[every - 1 :: every])
+    kept_points = _sqrt_grid(idx, rank, points, pairs)
+    keep = set(kept_points)
     dropped = {
         t: p
         for t, p in pairs.items()
@@ -146,8 +218,12 @@ def plan_checkpoint(trace: AccessTrace, budget_bytes: int, device_model: DeviceM
             break
         for t in bad:
             del dropped[t]
-    reasons = {t: "checkpoint: not a kept articulation point; rebuilt from the previous checkpoint" for t in dropped}
-    decisions = assemble(ctx, dropped.values(), res, collective=True, reasons=reasons)
+    # Segment of a tensor: how many kept checkpoints precede it in forward order.
+    cuts = sorted(rank[idx.tensors[t].prod_pos] for t in kept_points)
+    segment = {t: bisect.bisect_left(cuts, rank[idx.tensors[t].prod_pos]) for t in dropped}
+    reasons = {t: "checkpoint: not a kept articulation point; its segment is rebuilt from the previous checkpoint"
+               for t in dropped}
+    decisions = _assemble_segments(ctx, dropped, segment, res, reasons)
     return finalize(
         ctx,
         "checkpoint",
@@ -155,3 +231,96 @@ def plan_checkpoint(trace: AccessTrace, budget_bytes: int, device_model: DeviceM
         options={"margin_bytes": options.get("margin_bytes"), "checkpoints": len(keep), "articulation_points": len(points)},
         started=started,
     )
+
+
+def _sqrt_grid(idx: TraceIndex, rank: dict[int, int], points: list[str], pairs: dict[str, CandidatePair]) -> list[str]:
+    """len(points) // round(sqrt(len(points))) checkpoints among the articulation points, placed on an even grid of
+    the bytes the backward pass reads (cumulative, in forward order) rather than of the point count: points bunch up
+    where the graph is a plain chain (embeddings, dropout masks) and an even count grid would leave one segment with
+    most of the activations."""
+    if not points:
+        return []
+    every = max(1, round(math.sqrt(len(points))))
+    k = len(points) // every
+    sizes = sorted((rank[idx.tensors[t].prod_pos], p.nbytes) for t, p in pairs.items())
+    ranks = [r for r, _ in sizes]
+    cum = [0]
+    for _, b in sizes:
+        cum.append(cum[-1] + b)
+    total = cum[-1]
+    at = [cum[bisect.bisect_right(ranks, rank[idx.tensors[t].prod_pos])] for t in points]
+    out: list[int] = []
+    for j in range(1, k + 1):
+        goal = total * j / (k + 1)
+        lo = out[-1] + 1 if out else 0
+        hi = len(points) - (k - j)  # leave room for the remaining checkpoints
+        best = min(range(lo, hi), key=lambda i: (abs(at[i] - goal), i))
+        out.append(best)
+    return [points[i] for i in out]
+
+
+def _assemble_segments(ctx, dropped: dict[str, CandidatePair], segment: dict[str, int], res: Residency,
+                       reasons: dict[str, str]) -> list[RecomputeDecision]:
+    """On-demand replays, one per segment (Chen): the first target of a segment needed in the backward pass replays
+    the chains of every target of its segment still evicted then (their union, each op once) and keeps them; the
+    others are ``regenerated_by`` it. A target with no exact chain left stays on the device."""
+    idx = ctx.idx
+    targets = sorted(dropped.values(), key=lambda p: (p.back_pos, -idx.tensors[p.tensor].prod_pos))
+    members: dict[int, list[CandidatePair]] = {}
+    for p in targets:
+        members.setdefault(segment[p.tensor], []).append(p)
+    kept_by: dict[str, str] = {}
+    kept: dict[str, int] = {}
+
+    def resident(x: str, k: int) -> bool:
+        return res.resident(x, k, kept)
+
+    out: list[RecomputeDecision] = []
+    for p in targets:
+        t = p.tensor
+        ev, back = _ref(idx, t, p.k), _ref(idx, t, p.k + 1)
+        why = reasons.get(t, "")
+        if t in kept_by:
+            out.append(RecomputeDecision(t, p.nbytes, ev, back, (), (), back, ON_DEMAND, 0.0, None, (), kept_by[t],
+                                         0.0, f"{why}; rebuilt and kept by the replay of {kept_by[t]}"))
+            continue
+        ch = chain(idx, t, p.back_pos, resident)
+        if ch is None:  # rare: its way back runs through a tensor evicted then; it stays on the device
+            res.evicted.pop(t, None)
+            continue
+        ops, srcs = set(ch[0]), set(ch[1])
+        keeps = []
+        for q in members[segment[t]]:
+            x = q.tensor
+            if x == t or x in kept_by or x not in res.evicted:
+                continue
+            if not q.ev_pos < p.back_pos <= q.back_pos:  # not evicted now: it is rebuilt when it is needed
+                continue
+            cq = chain(idx, x, p.back_pos, resident)
+            if cq is None:
+                continue
+            ops.update(cq[0])
+            srcs.update(cq[1])
+            keeps.append(x)
+        produced = {y for o in ops for y in idx.op_outputs[o]}
+        for x in keeps:
+            kept_by[x] = t
+            kept[x] = p.back_pos
+        ordered = sorted(ops)
+        out.append(
+            RecomputeDecision(
+                tensor=t,
+                nbytes=p.nbytes,
+                evicted_access=ev,
+                back_access=back,
+                sources=tuple(sorted(srcs - produced)),
+                replay_ops=tuple(idx.op_names[o] for o in ordered),
+                trigger=back,
+                trigger_mode=ON_DEMAND,
+                recompute_s=sum(idx.dur[o] for o in ordered),
+                msps=None,
+                keeps=tuple(keeps),
+                reason=why,
+            )
+        )
+    return out
