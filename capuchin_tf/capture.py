@@ -13,7 +13,7 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.framework import op_def_registry
 
-from capuchin_tf.graph_model import GraphModel, OpInfo, Role, TensorInfo, tensor_id
+from capuchin_tf.graph_model import GraphModel, OpInfo, Role, TensorInfo, propagate_backward_roles, tensor_id
 
 # Ops whose bodies run in nested functions: opaque to capuchin_tf, their inner tensors are not managed.
 CONTROL_FLOW_OPS = frozenset({
@@ -189,4 +189,4 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
     ops = [o if all(i in known for i in o.inputs) else
            OpInfo(o.name, o.type, tuple(i for i in o.inputs if i in known), o.control_inputs, o.outputs, o.role,
                   o.stateful, o.replayable) for o in ops]
-    return GraphModel.build(ops, tensors)
+    return propagate_backward_roles(GraphModel.build(ops, tensors))

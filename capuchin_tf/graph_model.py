@@ -161,3 +161,24 @@ class GraphModel:
             (OpInfo.from_json(o) for o in d["ops"]),
             (TensorInfo.from_json(t) for t in d["tensors"]),
         )
+
+
+def propagate_backward_roles(model: GraphModel) -> GraphModel:
+    """Names decide roles at first (`gradient_tape/...` is backward); this fixes what names miss: a forward-named op
+    that reads a backward tensor is backward too (gradient sums such as `AddN_3` sit outside the tape's name scope).
+    Propagated to a fixpoint along data edges; optimizer ops keep their role."""
+    roles = {name: op.role for name, op in model.ops.items()}
+    consumers: dict[str, list[str]] = {}
+    for op in model.ops.values():
+        for t in op.inputs:
+            consumers.setdefault(model.tensors[t].op, []).append(op.name)
+    stack = [n for n, r in roles.items() if r == Role.BACKWARD]
+    while stack:
+        for c in consumers.get(stack.pop(), ()):
+            if roles[c] in (Role.FORWARD, Role.OTHER) and model.ops[c].type not in ("_Retval",):
+                roles[c] = Role.BACKWARD
+                stack.append(c)
+    if all(roles[n] == op.role for n, op in model.ops.items()):
+        return model
+    ops = [dataclasses.replace(op, role=roles[op.name]) for op in model.ops.values()]
+    return GraphModel(ops={o.name: o for o in ops}, tensors=model.tensors)

@@ -139,3 +139,22 @@ def test_graph_model_rejects_dangling_references():
 def test_no_kernel_of_the_graph_is_an_error():
     with pytest.raises(ValueError, match="nothing was measured"):
         assemble_trace(chain_graph(), [KernelEvent("other", "X", 0, 1)], [], peak_bytes=0)
+
+
+def test_ops_reading_backward_tensors_are_backward():
+    from capuchin_tf.graph_model import propagate_backward_roles
+
+    ops = [
+        OpInfo("a", "MatMul", (), (), ("a:0",), Role.FORWARD),
+        OpInfo("gradient_tape/g1", "MatMul", ("a:0",), (), ("gradient_tape/g1:0",), Role.BACKWARD),
+        OpInfo("gradient_tape/g2", "MatMul", ("a:0",), (), ("gradient_tape/g2:0",), Role.BACKWARD),
+        OpInfo("AddN", "AddN", ("gradient_tape/g1:0", "gradient_tape/g2:0"), (), ("AddN:0",), Role.FORWARD),
+        OpInfo("Scale", "Mul", ("AddN:0",), (), ("Scale:0",), Role.FORWARD),
+        OpInfo("sgd/update", "AssignSubVariableOp", ("Scale:0",), (), (), Role.OPTIMIZER),
+    ]
+    tensors = [TensorInfo(t, t.split(":")[0]) for o in ops for t in o.outputs]
+    model = propagate_backward_roles(GraphModel.build(ops, tensors))
+    roles = {n: o.role for n, o in model.ops.items()}
+    assert roles["a"] == Role.FORWARD
+    assert roles["AddN"] == roles["Scale"] == Role.BACKWARD
+    assert roles["sgd/update"] == Role.OPTIMIZER
