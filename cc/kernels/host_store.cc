@@ -38,6 +38,25 @@ struct HostStore::Entry {
   bool pooled = false;               // made by Hold: read by Get, evictable by passive mode
 };
 
+std::shared_ptr<HostStore::Entry> HostStore::NewEntry(const Tensor& tensor, const std::string& name, Residency state,
+                                                      bool pooled) {
+  auto e = std::make_shared<Entry>();
+  e->name = name;
+  e->dtype = tensor.dtype();
+  e->shape = tensor.shape();
+  e->bytes = static_cast<int64_t>(tensor.TotalBytes());
+  e->device = tensor;
+  e->state = state;
+  e->pooled = pooled;
+  return e;
+}
+
+void HostStore::Register(const std::shared_ptr<Entry>& e) {
+  e->handle = next_handle_++;
+  entries_.emplace(e->handle, e);
+  counters_.live_handles++;
+}
+
 HostStore* HostStore::Global() {
   // Leaked on purpose: the copy workers run for the life of the process, and a static destructor racing with them
   // at exit would be worse than the OS reclaiming the memory.
@@ -58,17 +77,9 @@ absl::StatusOr<int64_t> HostStore::SwapOut(const Tensor& tensor, const std::stri
     return errors::InvalidArgument("Capuchin>SwapOut cannot swap tensor '", name, "' of type ",
                                    DataTypeString(tensor.dtype()), ": only plain numeric and bool types can be copied");
   }
-  auto e = std::make_shared<Entry>();
-  e->name = name;
-  e->dtype = tensor.dtype();
-  e->shape = tensor.shape();
-  e->bytes = static_cast<int64_t>(tensor.TotalBytes());
-  e->device = tensor;
-  e->state = Residency::kSwappingOut;
+  std::shared_ptr<Entry> e = NewEntry(tensor, name, Residency::kSwappingOut, /*pooled=*/false);
   std::lock_guard<std::mutex> lock(mu_);
-  e->handle = next_handle_++;
-  entries_.emplace(e->handle, e);
-  counters_.live_handles++;
+  Register(e);
   out_queue_.push_back(e);
   counters_.pending_copies++;
   out_cv_.notify_one();
@@ -162,19 +173,10 @@ void HostStore::SwapIn(int64_t handle, Allocator* device_allocator, DataType exp
 }
 
 int64_t HostStore::Hold(const Tensor& tensor, const std::string& name) {
-  auto e = std::make_shared<Entry>();
-  e->name = name;
-  e->dtype = tensor.dtype();
-  e->shape = tensor.shape();
-  e->bytes = static_cast<int64_t>(tensor.TotalBytes());
-  e->device = tensor;
-  e->state = Residency::kIn;
-  e->pooled = true;
+  std::shared_ptr<Entry> e = NewEntry(tensor, name, Residency::kIn, /*pooled=*/true);
   std::lock_guard<std::mutex> lock(mu_);
-  e->handle = next_handle_++;
-  entries_.emplace(e->handle, e);
+  Register(e);
   hold_order_.push_back(e->handle);
-  counters_.live_handles++;
   return e->handle;
 }
 

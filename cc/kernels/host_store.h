@@ -112,6 +112,8 @@ class HostStore {
   struct Worker;
 
   HostStore();
+  static std::shared_ptr<Entry> NewEntry(const Tensor& tensor, const std::string& name, Residency state, bool pooled);
+  void Register(const std::shared_ptr<Entry>& e);  // mu_ held: gives the entry its handle
   void RunOutWorker();
   void RunInWorker();
   void EnqueueSwapIn(const std::shared_ptr<Entry>& e, Allocator* device_allocator);  // mu_ held

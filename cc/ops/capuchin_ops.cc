@@ -13,6 +13,18 @@ namespace capuchin {
 using shape_inference::InferenceContext;
 using shape_inference::ShapeHandle;
 
+// Ops that return a tensor from a scalar handle: the output's static shape is the `shape` attr.
+absl::Status ShapeFromAttr(InferenceContext* c) {
+  ShapeHandle unused;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+  PartialTensorShape shape;
+  TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
+  ShapeHandle out;
+  TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shape, &out));
+  c->set_output(0, out);
+  return absl::OkStatus();
+}
+
 // Types whose bytes can be copied to host memory and back unchanged.
 #define CAPUCHIN_SWAPPABLE_TYPES \
   "{half, bfloat16, float, double, int8, uint8, int16, uint16, int32, uint32, int64, uint64, bool, complex64, complex128}"
@@ -66,16 +78,7 @@ REGISTER_OP("Capuchin>SwapIn")
     .Attr("dtype: " CAPUCHIN_SWAPPABLE_TYPES)
     .Attr("shape: shape = { unknown_rank: true }")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle unused;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
-      PartialTensorShape shape;
-      TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
-      ShapeHandle out;
-      TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shape, &out));
-      c->set_output(0, out);
-      return absl::OkStatus();
-    })
+    .SetShapeFn(ShapeFromAttr)
     .Doc(R"doc(
 Returns the swapped-out tensor behind `handle` as a device tensor and consumes the handle.
 
@@ -164,16 +167,7 @@ REGISTER_OP("Capuchin>Get")
     .Attr("dtype: " CAPUCHIN_SWAPPABLE_TYPES)
     .Attr("shape: shape = { unknown_rank: true }")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle unused;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
-      PartialTensorShape shape;
-      TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
-      ShapeHandle out;
-      TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shape, &out));
-      c->set_output(0, out);
-      return absl::OkStatus();
-    })
+    .SetShapeFn(ShapeFromAttr)
     .Doc(R"doc(
 Returns the tensor of a Capuchin>Hold handle without consuming the handle. If passive mode evicted it, it is
 brought back synchronously first (the paper's access failure), and the wait is recorded as a stall.
