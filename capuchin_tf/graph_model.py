@@ -172,7 +172,9 @@ def propagate_backward_roles(model: GraphModel) -> GraphModel:
     for op in model.ops.values():
         for t in op.inputs:
             consumers.setdefault(model.tensors[t].op, []).append(op.name)
-    stack = [n for n, r in roles.items() if r == Role.BACKWARD]
+    # Seeds: backward ops that compute something. Sources (constants, even ones Grappler folded under the tape's
+    # name scope and shares with forward ops) say nothing about when their readers run.
+    stack = [n for n, r in roles.items() if r == Role.BACKWARD and model.ops[n].inputs]
     while stack:
         for c in consumers.get(stack.pop(), ()):
             if roles[c] in (Role.FORWARD, Role.OTHER) and model.ops[c].type not in ("_Retval",):

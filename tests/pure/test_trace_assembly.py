@@ -158,3 +158,17 @@ def test_ops_reading_backward_tensors_are_backward():
     assert roles["a"] == Role.FORWARD
     assert roles["AddN"] == roles["Scale"] == Role.BACKWARD
     assert roles["sgd/update"] == Role.OPTIMIZER
+
+
+def test_constants_under_the_tape_scope_do_not_make_forward_ops_backward():
+    from capuchin_tf.graph_model import propagate_backward_roles
+
+    ops = [
+        # Grappler folds constants and may name them under the tape's scope; forward ops can share them.
+        OpInfo("ConstantFolding/gradient_tape/c", "Const", (), (), ("ConstantFolding/gradient_tape/c:0",),
+               Role.BACKWARD),
+        OpInfo("a", "Mul", ("ConstantFolding/gradient_tape/c:0",), (), ("a:0",), Role.FORWARD),
+    ]
+    tensors = [TensorInfo(t, t.rsplit(":", 1)[0]) for o in ops for t in o.outputs]
+    model = propagate_backward_roles(GraphModel.build(ops, tensors))
+    assert model.ops["a"].role == Role.FORWARD
