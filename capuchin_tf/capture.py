@@ -103,8 +103,13 @@ def _normalize_input(name: str) -> str:
     return name if ":" in name else f"{name}:0"
 
 
+def is_backward_name(node_name: str) -> bool:
+    """Whether a node's name puts it in the backward pass (GradientTape's and tf.gradients' name scopes)."""
+    return node_name.startswith("gradient_tape/") or "/gradient_tape/" in node_name or node_name.startswith("gradients/")
+
+
 def _role(node_name: str, op_type: str, optimizer_scopes: tuple[str, ...]) -> Role:
-    if node_name.startswith("gradient_tape/") or "/gradient_tape/" in node_name or node_name.startswith("gradients/"):
+    if is_backward_name(node_name):
         return Role.BACKWARD
     if op_type.startswith(VARIABLE_WRITERS) or any(node_name.lower().startswith(s) for s in optimizer_scopes):
         return Role.OPTIMIZER

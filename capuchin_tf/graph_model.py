@@ -146,9 +146,6 @@ class GraphModel:
     def consumers(self, tid: str) -> list[OpInfo]:
         return [self.ops[c] for c in self.tensors[tid].consumers]
 
-    def transient_tensors(self) -> list[TensorInfo]:
-        return [t for t in self.tensors.values() if not t.persistent]
-
     def to_json(self) -> dict:
         return {
             "ops": [o.to_json() for o in self.ops.values()],

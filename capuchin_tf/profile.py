@@ -113,7 +113,8 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
     concrete = capture.concrete_step(step, args)  # traces the function and refuses jit_compile
     if passive:
         readers, dtypes, shapes = passive_readers(concrete.graph)
-        graph_def, _ = rewrite.insert_hold_get(concrete.graph.as_graph_def(), readers, dtypes, shapes)
+        graph_def = rewrite.insert_hold_get(concrete.graph.as_graph_def(), readers, dtypes, shapes,
+                                            is_late=capture.is_backward_name)
         fn = rewrite.rebuild(concrete, graph_def, name="capuchin_measured_step")
         run, func_graph = (lambda: fn(*args)), fn.graph
     else:

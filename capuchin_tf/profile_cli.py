@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -21,22 +20,10 @@ import tempfile
 import time
 
 from capuchin_tf.cli import CliError, register_subcommand
+from capuchin_tf.simulated_device import simulated_device_env
 
 MiB = 1 << 20
 DEFAULT_DEVICE_MB = 16384
-
-
-def simulated_device_env(limit_mb: int, inter_op_threads: int = 1) -> dict:
-    """The environment of a fresh process whose CPU:0 is a BFC device of `limit_mb` MiB (design.md).
-
-    One inter-op thread: a single stream of kernels, like a GPU's compute stream, and a repeatable order
-    (tf-notes.md); oneDNN off: its kernels can crash on an allocation failure (docs/decisions.md).
-    """
-    env = dict(os.environ)
-    env.update(TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPU_BFC_MEM_LIMIT_IN_MB=str(int(limit_mb)),
-               TF_ENABLE_ONEDNN_OPTS="0", TF_NUM_INTEROP_THREADS=str(inter_op_threads))
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return env
 
 
 def run_worker(args: list[str], limit_mb: int, timeout: float | None = None) -> dict:

@@ -10,8 +10,8 @@ inserted nodes are named `capuchin/<kind>/<tensor>...`.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import re
+from typing import Callable
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
@@ -90,21 +90,8 @@ def _mark(node: node_def_pb2.NodeDef) -> None:
     node.attr["_grappler_do_not_remove"].CopyFrom(attr_value_pb2.AttrValue(b=True))
 
 
-@dataclasses.dataclass(frozen=True)
-class HeldTensor:
-    """A tensor handed to the pool by `insert_hold_get`, with the consumers that now read it through a get."""
-
-    tensor: str
-    hold: str
-    gets: tuple[tuple[str, str], ...]  # (get node, consumer node)
-
-
-def _is_backward(name: str) -> bool:
-    return name.startswith("gradient_tape/") or name.startswith("capuchin/get/")
-
-
 def insert_hold_get(graph_def: graph_pb2.GraphDef, readers: dict[str, list[str]], dtypes: dict, shapes: dict,
-                    is_late=_is_backward) -> tuple[graph_pb2.GraphDef, list[HeldTensor]]:
+                    is_late: Callable[[str], bool]) -> graph_pb2.GraphDef:
     """Hands each tensor in `readers` to the pool right after it is produced and makes each listed reader read it
     through its own get, gated to run only when the reader's other inputs are ready.
 
@@ -114,11 +101,10 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, readers: dict[str, list[str]]
                   ^ u                                                 ^ (ctrl: producer of u)   ^ u
     Once F has run, the pool holds t's only reference: passive mode can evict it, and the get brings it back.
     `readers`: tensor id -> names of the nodes to serve through gets; `is_late(node name)` tells the inputs that
-    become ready late (default: backward ops). Returns the new GraphDef and what was held.
+    become ready late (backward ops). Inserted nodes: `capuchin/hold/<tensor>`, `capuchin/get/<tensor>/<k>`.
     """
     out = copy.deepcopy(graph_def)
     nodes = {n.name: n for n in out.node}
-    held = []
     for tid, consumer_names in readers.items():
         op, slot = split_tensor_id(tid)
         ref = op if slot == 0 else f"{op}:{slot}"
@@ -130,7 +116,6 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, readers: dict[str, list[str]]
             hold.device = nodes[op].device
         _mark(hold)
         nodes[hold.name] = hold
-        gets = []
         for k, cname in enumerate(consumer_names):
             consumer = nodes[cname]
             get = out.node.add(name=f"capuchin/get/{safe_name(tid)}/{k}", op="Capuchin>Get", input=[base])
@@ -147,12 +132,10 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, readers: dict[str, list[str]]
             producers = [inp.split(":")[0] for inp in consumer.input if not inp.startswith("^")]
             producers = [p for p in producers
                          if p != op and nodes[p].op not in ("Placeholder", "_Arg", "Const")]
-            late = [p for p in producers if is_late(p)]
+            late = [p for p in producers if is_late(p) or nodes[p].op == "Capuchin>Get"]
             gates = list(dict.fromkeys(late or producers))
             get.input.extend(f"^{p}" for p in gates)
             for i, inp in enumerate(consumer.input):
                 if inp == ref or (slot == 0 and inp == f"{op}:0"):
                     consumer.input[i] = get.name
-            gets.append((get.name, cname))
-        held.append(HeldTensor(tid, base, tuple(gets)))
-    return out, held
+    return out

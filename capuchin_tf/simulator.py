@@ -262,6 +262,16 @@ class _Walk:
         recompute_total = 0.0
         pending_early: list[str] = []
 
+        def swap_in(t: str, nbytes: int, issue: float) -> None:
+            """Queues t's host-to-device copy at `issue` (one copy at a time on the link): back in flight."""
+            nonlocal h2d_free
+            cs = max(issue, h2d_free)
+            h2d_free = ce = cs + dm.swap_in_time(nbytes)
+            events.append((cs, nbytes))
+            restore[t] = cs
+            ready[t] = ce
+            state[t] = _IN_FLIGHT
+
         for i in range(n):
             base = max(idx.start[i] + D, barrier)
             if pending_early:  # delay the early replays just run cause to this op
@@ -296,14 +306,7 @@ class _Walk:
                 if d.kind != SWAP:
                     continue
                 if state.get(t) == _OUT:  # no in-trigger (or it did not fire): swap in on demand
-                    issue = max(base, out_end[t])
-                    cs = max(issue, h2d_free)
-                    ce = cs + dm.swap_in_time(d.nbytes)
-                    h2d_free = ce
-                    events.append((cs, d.nbytes))
-                    restore[t] = cs
-                    ready[t] = ce
-                    state[t] = _IN_FLIGHT
+                    swap_in(t, d.nbytes, max(base, out_end[t]))
                 wait = max(0.0, ready[t] - base)
                 stalls[t] = wait
                 start = max(start, ready[t])
@@ -350,14 +353,7 @@ class _Walk:
                 t = d.tensor
                 if state.get(t) != _OUT:
                     raise InfeasiblePlanError(f"tensor {t!r}: in-trigger at op {idx.op_names[i]!r} before its eviction")
-                issue = max(E[i], out_end[t])
-                cs = max(issue, h2d_free)
-                ce = cs + dm.swap_in_time(d.nbytes)
-                h2d_free = ce
-                events.append((cs, d.nbytes))
-                restore[t] = cs
-                ready[t] = ce
-                state[t] = _IN_FLIGHT
+                swap_in(t, d.nbytes, max(E[i], out_end[t]))
             for d in self.early_after[i]:
                 w0 = max(E[i], barrier)
                 if not d.replay_ops:

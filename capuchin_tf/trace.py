@@ -17,7 +17,6 @@ Times are seconds from the start of the step. The paper's tensor access list (TA
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 import pathlib
@@ -150,16 +149,6 @@ class AccessTrace:
     def saving_target(self, budget_bytes: int, margin_bytes: int = 0) -> int:
         """Bytes to save: the larger of what passive mode evicted and (ideal peak - budget + margin) (design.md)."""
         return max(self.evicted_bytes, self.replayed_peak_bytes() - budget_bytes + margin_bytes, 0)
-
-    def op_index(self) -> dict[str, int]:
-        """Executed position of each op."""
-        return {o.name: i for i, o in enumerate(self.ops)}
-
-    def memory_at(self, time: float) -> int:
-        """Measured device bytes in use at `time` (the last curve point at or before it)."""
-        times = [t for t, _ in self.memory_curve]
-        i = bisect.bisect_right(times, time) - 1
-        return self.memory_curve[max(i, 0)][1] if self.memory_curve else self.persistent_bytes
 
     # ---- JSON ----------------------------------------------------------------------------------------------------
     def to_json(self) -> dict:

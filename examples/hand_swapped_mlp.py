@@ -127,11 +127,10 @@ def build_and_train(mode: str, layers: int, width: int, batch: int, steps: int, 
 
 def run_child(mode: str, limit_mb: int, args) -> dict:
     """Runs one mode in a fresh process whose device is a BFC allocator of `limit_mb` MiB."""
-    env = dict(os.environ,
-               TF_ENABLE_ONEDNN_OPTS="0",  # TF's oneDNN kernels crash on OOM instead of raising (docs/decisions.md)
-               TF_CPU_ALLOCATOR_USE_BFC="true",
-               TF_CPU_BFC_MEM_LIMIT_IN_MB=str(limit_mb),
-               TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # importing capuchin_tf below loads TensorFlow here too
+    from capuchin_tf.simulated_device import simulated_device_env
+
+    env = simulated_device_env(limit_mb, inter_op_threads=None)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--layers", str(args.layers),
            "--width", str(args.width), "--batch", str(args.batch), "--steps", str(args.steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -26,8 +26,9 @@ def run_on_simulated_device(code: str, limit_mb: int, timeout: float = 300.0, en
 
     The code must print one JSON object as its last line of standard output; that object is returned.
     """
-    child_env = dict(os.environ)
-    child_env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(limit_mb)
+    from capuchin_tf.simulated_device import simulated_device_env
+
+    child_env = simulated_device_env(limit_mb, inter_op_threads=None)
     child_env.update(env or {})
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],

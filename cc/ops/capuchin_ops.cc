@@ -25,6 +25,12 @@ absl::Status ShapeFromAttr(InferenceContext* c) {
   return absl::OkStatus();
 }
 
+// Ops that drain a log: every output is a vector of the number of records.
+absl::Status VectorOutputs(InferenceContext* c) {
+  for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->Vector(InferenceContext::kUnknownDim));
+  return absl::OkStatus();
+}
+
 // Types whose bytes can be copied to host memory and back unchanged.
 #define CAPUCHIN_SWAPPABLE_TYPES \
   "{half, bfloat16, float, double, int8, uint8, int16, uint16, int32, uint32, int64, uint64, bool, complex64, complex128}"
@@ -189,10 +195,7 @@ REGISTER_OP("Capuchin>DrainStalls")
     .Output("bytes: int64")
     .Output("kinds: int32")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      for (int i = 0; i < 4; ++i) c->set_output(i, c->Vector(InferenceContext::kUnknownDim));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(VectorOutputs)
     .Doc(R"doc(
 Every stall recorded since the last drain (CLOCK_MONOTONIC ns): kind 0 a passive eviction (inside an allocation),
 kind 1 a Get that brought an evicted tensor back. Empties the log.
@@ -219,10 +222,7 @@ REGISTER_OP("Capuchin>DrainAccessRecords")
     .Output("timestamps_ns: int64")
     .Output("bytes_in_use: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      for (int i = 0; i < 4; ++i) c->set_output(i, c->Vector(InferenceContext::kUnknownDim));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(VectorOutputs)
     .Doc(R"doc(
 Returns every access recorded since the last drain, in recording order, and empties the buffer.
 bytes_in_use is -1 where the device allocator keeps no statistics.
