@@ -8,9 +8,12 @@ from the captured graph's static shapes.
 
 from __future__ import annotations
 
+import itertools
+
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
-from tensorflow.python.eager import context
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.eager import cancellation, context
 from tensorflow.python.framework import op_def_registry
 
 from capuchin_tf.graph_model import GraphModel, OpInfo, Role, TensorInfo, propagate_backward_roles, tensor_id
@@ -51,6 +54,53 @@ def concrete_step(fn, args):
     return fn.get_concrete_function(*args)
 
 
+_nonce = itertools.count(1 << 30)
+
+
+def _fresh_nonce() -> int:
+    return next(_nonce)
+
+
+def optimized_graph(concrete, args) -> graph_pb2.GraphDef:
+    """The post-optimization GraphDef TensorFlow runs for `concrete(*args)`, obtained without running the step.
+
+    The function is called with a cancellation manager that is already cancelled: TensorFlow instantiates it (the
+    placer and Grappler run, run metadata collects the optimized graph) and then refuses to start it, so no op runs
+    and no variable is written. Used when the step may not fit the device (the measured step under a budget).
+    """
+    ctx = context.context()
+    flush = tf.constant(0)
+    tf.identity(flush)  # instantiated now, so that running it below adds no graph of its own
+    manager = cancellation.CancellationManager()
+    manager.start_cancel()
+    # A config no other call uses: the function is instantiated (optimized) anew even if it ran before, and the
+    # instantiation is what hands over the graph. The field set is one only DirectSession reads.
+    old = ctx.function_call_options
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(old.config_proto_serialized or b"")
+    config.graph_options.timeline_step = _fresh_nonce()
+    ctx.function_call_options = context.FunctionCallOptions(executor_type=old.executor_type, config_proto=config)
+    ctx.enable_run_metadata()
+    try:
+        ctx.export_run_metadata()  # drop anything collected before this call
+        try:
+            manager.get_cancelable_function(concrete)(*args)
+        except tf.errors.CancelledError:
+            pass
+        else:
+            raise CaptureError("the step ran although it was cancelled before its start")
+        tf.identity(flush)  # an executed eager op hands the graphs collected at instantiation to the run metadata
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_run_metadata()
+        ctx.function_call_options = old
+    graph = _pick_graph(metadata, concrete.graph)
+    names = [n.name for n in graph.node]
+    if len(set(names)) != len(names):
+        raise CaptureError("the optimized graph TensorFlow returned has duplicate node names")
+    return graph
+
+
 def run_with_post_optimization_graph(call, func_graph):
     """Runs `call()` once with run metadata on; returns (its result, the post-optimization GraphDef it executed).
 
@@ -65,11 +115,15 @@ def run_with_post_optimization_graph(call, func_graph):
         metadata = ctx.export_run_metadata()
     finally:
         ctx.disable_run_metadata()
+    return result, _pick_graph(metadata, func_graph)
+
+
+def _pick_graph(metadata, func_graph) -> graph_pb2.GraphDef:
     graphs = [fg.post_optimization_graph for fg in metadata.function_graphs]
     if not graphs:
         raise CaptureError("TensorFlow returned no function graph for the step (was it a tf.function call?)")
     names = {op.name for op in func_graph.get_operations()}
-    return result, max(graphs, key=lambda g: sum(n.name in names for n in g.node))
+    return max(graphs, key=lambda g: sum(n.name in names for n in g.node))
 
 
 def _num_outputs(node, op_def) -> int:

@@ -20,6 +20,7 @@ import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from capuchin_tf import capture, ops, rewrite
+from capuchin_tf.passive import hold_plan
 from capuchin_tf.trace import AccessTrace
 from capuchin_tf.tracing import KernelEvent, MemoryEvent, assemble_trace, fold_pool_ops
 
@@ -76,30 +77,6 @@ def _anchor() -> int:
         return time.monotonic_ns()
 
 
-def passive_readers(graph) -> tuple[dict[str, list[str]], dict, dict]:
-    """The tensors passive mode hands to the pool: produced by a forward op, read by backward ops, swappable.
-
-    Returns (tensor id -> names of its backward readers, dtypes, static shapes) for `rewrite.insert_hold_get`.
-    """
-    readers: dict[str, list[str]] = {}
-    dtypes, shapes = {}, {}
-    for op in graph.get_operations():
-        role = capture._role(op.name, op.type, ())
-        if role != capture.Role.BACKWARD:
-            continue
-        for t in op.inputs:
-            producer = t.op
-            if (capture._role(producer.name, producer.type, ()) != capture.Role.FORWARD
-                    or producer.type in capture.PERSISTENT_PRODUCERS or producer.type in capture.CONTROL_FLOW_OPS
-                    or t.dtype not in rewrite.SWAPPABLE or t.dtype == tf.resource):
-                continue
-            lst = readers.setdefault(t.name, [])
-            if op.name not in lst:
-                lst.append(op.name)
-            dtypes[t.name], shapes[t.name] = t.dtype, t.shape
-    return readers, dtypes, shapes
-
-
 def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None = None, meta: dict | None = None,
                  keep_profile: str | None = None):
     """Runs `step(*args)` once as the measured execution. Returns (outputs, AccessTrace).
@@ -112,11 +89,18 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
     """
     concrete = capture.concrete_step(step, args)  # traces the function and refuses jit_compile
     if passive:
-        readers, dtypes, shapes = passive_readers(concrete.graph)
-        graph_def = rewrite.insert_hold_get(concrete.graph.as_graph_def(), readers, dtypes, shapes,
-                                            is_late=capture.is_backward_name)
-        fn = rewrite.rebuild(concrete, graph_def, name="capuchin_measured_step")
-        run, func_graph = (lambda: fn(*args)), fn.graph
+        optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
+        # Static shapes of every tensor of the optimized graph (Grappler's new nodes included): imported as is.
+        shaped = rewrite.rebuild(concrete, optimized, name="capuchin_shapes").graph
+        plan = hold_plan(capture.graph_model(optimized, shaped))
+        dtypes, shapes = {}, {}
+        for tid in plan:
+            t = shaped.get_tensor_by_name(tid)
+            dtypes[tid] = t.dtype.name
+            shapes[tid] = None if t.shape.rank is None else tuple(-1 if d is None else d for d in t.shape.as_list())
+        fn = rewrite.rebuild(concrete, rewrite.insert_hold_get(optimized, plan, dtypes, shapes),
+                             name="capuchin_measured_step")
+        run, func_graph = (lambda: rewrite.call_without_grappler(fn, *args)), fn.graph
     else:
         run, func_graph = (lambda: step(*args)), concrete.graph
     logdir = keep_profile or tempfile.mkdtemp(prefix="capuchin_profile_")

@@ -4,7 +4,8 @@
 
 Runs, each in a fresh process on the simulated device (design.md), on the same seed and data:
   1. a plain TensorFlow step with enough memory: its loss, variables and measured peak;
-  2. capuchin_tf's measured step (passive mode on) on a device of --budget-mb MiB (default: enough memory).
+  2. with --budget-mb, a plain TensorFlow step on a device of that size (`plain_fits_budget`, `plain_budget_error`);
+  3. capuchin_tf's measured step (passive mode on) on a device of --budget-mb MiB (default: enough memory).
 Writes the trace (with `bitwise_equal`, `plain_peak_bytes` and the overhead beside it) and, with --plot, a PNG of the
 memory curve with the peak window and the budget marked. Budgets are MiB (2^20 bytes).
 """
@@ -49,6 +50,11 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result", required=True)
 
 
+def _oom_line(e) -> str:
+    lines = [ln.strip() for ln in e.message.splitlines() if "OOM when allocating" in ln] or [e.message.strip()]
+    return lines[0][:300]
+
+
 def _run_worker(a: argparse.Namespace) -> int:
     import hashlib
 
@@ -59,7 +65,13 @@ def _run_worker(a: argparse.Namespace) -> int:
     from capuchin_tf import models, profile
 
     result = {"mode": a.mode, "ok": True, "error": None, "losses": [], "step_s": []}
-    setup = models.build(a.model, a.batch)
+    try:
+        setup = models.build(a.model, a.batch)
+    except tf.errors.ResourceExhaustedError as e:
+        result.update(ok=False, error=f"the model does not build on this device: {_oom_line(e)}")
+        pathlib.Path(a.result).write_text(json.dumps(result))
+        return 0
+    result["persistent_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["current"]
     try:
         for i in range(a.steps):
             t0 = time.perf_counter()
@@ -76,8 +88,7 @@ def _run_worker(a: argparse.Namespace) -> int:
             result["losses"].append(float(loss))
             result["step_s"].append(time.perf_counter() - t0)
     except tf.errors.ResourceExhaustedError as e:
-        lines = [ln.strip() for ln in e.message.splitlines() if "OOM when allocating" in ln] or [e.message.strip()]
-        result.update(ok=False, error=f"ResourceExhaustedError: {lines[0][:300]}")
+        result.update(ok=False, error=f"ResourceExhaustedError: {_oom_line(e)}")
     digest = hashlib.sha256()
     for v in setup.variables:
         digest.update(np.asarray(v.numpy()).tobytes())
@@ -91,7 +102,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a model name (python -c 'from capuchin_tf import models; "
                                                     "print(models.describe())')")
     p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--budget-mb", type=int, help="device memory of the measured run, MiB (default: enough)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--budget-mb", type=int, help="device memory of the measured run, MiB (default: enough)")
+    budget.add_argument("--transient-fraction", type=float,
+                        help="budget as persistent + this fraction of the plain step's transient peak (0.5: the "
+                             "protocol's 'half the transient peak'), rounded up to a MiB")
     p.add_argument("--json", required=True, help="where to write the trace")
     p.add_argument("--plot", help="where to write a PNG of the memory curve")
     p.add_argument("--device-mb", type=int, default=DEFAULT_DEVICE_MB,
@@ -107,13 +122,27 @@ def _run(a: argparse.Namespace) -> int:
         raise CliError("--batch must be at least 1")
     if a.budget_mb is not None and a.budget_mb < 1:
         raise CliError("--budget-mb must be at least 1")
+    if a.transient_fraction is not None and not 0.0 < a.transient_fraction <= 1.0:
+        raise CliError("--transient-fraction must be in (0, 1]")
     common = ["--model", a.model, "--batch", str(a.batch)]
-    print(f"[1/2] plain TensorFlow step, {a.device_mb} MiB device ...", flush=True)
+    budgeted = a.budget_mb is not None or a.transient_fraction is not None
+    print(f"[1/{3 if budgeted else 2}] plain TensorFlow step, {a.device_mb} MiB device ...", flush=True)
     plain = run_worker([*common, "--mode", "plain"], a.device_mb)
     if not plain["ok"]:
         raise CliError(f"the plain step does not fit {a.device_mb} MiB: {plain['error']} (raise --device-mb)")
+    if a.transient_fraction is not None:
+        persistent, peak = plain["persistent_bytes"], plain["peaks"][0]
+        a.budget_mb = -(-int(persistent + a.transient_fraction * (peak - persistent)) // MiB)
+        print(f"  peak {peak / MiB:.1f} MiB, persistent {persistent / MiB:.1f} MiB: budget {a.budget_mb} MiB "
+              f"(persistent + {a.transient_fraction:g} x transient)", flush=True)
     limit = a.budget_mb or a.device_mb
-    print(f"[2/2] measured step (passive mode), {limit} MiB device ...", flush=True)
+    steps = 3 if a.budget_mb else 2
+    at_budget = None
+    if a.budget_mb:
+        print(f"[2/{steps}] plain TensorFlow step, {a.budget_mb} MiB device ...", flush=True)
+        at_budget = run_worker([*common, "--mode", "plain"], a.budget_mb)
+        print(f"  {'fits' if at_budget['ok'] else at_budget['error']}", flush=True)
+    print(f"[{steps}/{steps}] measured step (passive mode), {limit} MiB device ...", flush=True)
     budget_bytes = a.budget_mb * MiB if a.budget_mb else None
     extra = ["--budget-bytes", str(budget_bytes)] if budget_bytes else []
     measured = run_worker([*common, "--mode", "measured", "--trace", a.json, *extra], limit)
@@ -123,6 +152,8 @@ def _run(a: argparse.Namespace) -> int:
     data = json.loads(pathlib.Path(a.json).read_text())
     equal = (measured["losses_hex"] == plain["losses_hex"]
              and measured["variables_sha256"] == plain["variables_sha256"])
+    if at_budget is not None:
+        data.update(plain_fits_budget=at_budget["ok"], plain_budget_error=at_budget.get("error"))
     data.update(bitwise_equal=equal, plain_peak_bytes=plain["peaks"][0],
                 plain_first_step_s=plain["step_s"][0], measured_first_step_s=measured["step_s"][0],
                 measured_overhead=measured["step_s"][0] / plain["step_s"][0] - 1.0)

@@ -1,30 +1,32 @@
-"""Rewriting: a captured step's GraphDef, edited, back into a function on the same variables.
+"""Rewriting: a captured step's optimized GraphDef, edited, back into a function on the same variables.
 
-The one module that does FuncGraph surgery (private TensorFlow APIs). `rebuild(concrete, graph_def)` imports an edited
-copy of the step's own (pre-optimization) GraphDef into a new FuncGraph that captures the same variable handles, and
-returns a ConcreteFunction with the original calling convention and outputs (tf-notes.md, "Running a rewritten graph
-on the same variables"). Graph edits are functions GraphDef -> GraphDef, each documented with a before/after sketch;
-inserted nodes are named `capuchin/<kind>/<tensor>...`.
+The one module that does FuncGraph surgery (private TensorFlow APIs). Edits are made on the post-optimization graph
+(capture.optimized_graph: what TensorFlow's executor would run, Grappler's fusions done, names the trace's tensor
+ids use). `rebuild(concrete, graph_def)` imports it into a new FuncGraph that captures the same variable handles
+and returns a ConcreteFunction with the original calling convention and outputs (tf-notes.md, "Running a rewritten
+graph on the same variables"); `call_without_grappler` runs it without a second Grappler pass, so that the inserted
+nodes cannot change what Grappler does and the kernels are those plain TensorFlow runs (bit-for-bit results).
+Graph edits are functions GraphDef -> GraphDef, each documented with a before/after sketch; inserted nodes are
+named `capuchin/<kind>/<tensor>...`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
-from typing import Callable
+from typing import Mapping, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.eager import context
 from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
 from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import importer
 from tensorflow.python.util import nest
 
 from capuchin_tf.graph_model import split_tensor_id
-
-SWAPPABLE = frozenset({tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16, tf.uint16,
-                       tf.int32, tf.uint32, tf.int64, tf.uint64, tf.bool, tf.complex64, tf.complex128})
-
 
 class RewriteError(RuntimeError):
     """The rewritten graph could not be built."""
@@ -37,29 +39,53 @@ def safe_name(tid: str) -> str:
 
 
 def rebuild(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step") -> ConcreteFunction:
-    """A ConcreteFunction running `graph_def` (an edited copy of `concrete.graph.as_graph_def()`) on the same
-    captured variables, with `concrete`'s inputs, outputs and structured outputs."""
+    """A ConcreteFunction running `graph_def` on `concrete`'s captured variables, with `concrete`'s inputs, outputs
+    and structured outputs. `graph_def` is the post-optimization graph of `concrete` (capture.optimized_graph), as
+    is or edited: its `_Arg` nodes (by index: the user's inputs, then the captures) become the new function's
+    inputs, its `_Retval` nodes its outputs. Call the result with `call_without_grappler`: the graph is already
+    optimized, and Grappler must not rewrite the nodes capuchin_tf inserted."""
     orig = concrete.graph
-    captured_internal = {internal.name for _, internal in orig.captures}
-    user_inputs = [t for t in orig.inputs if t.name not in captured_internal]
-    mapped_nodes = {t.op.name for t in orig.inputs}
+    n_user = len(orig.inputs) - len(orig.captures)
     body = graph_pb2.GraphDef()
     body.versions.CopyFrom(graph_def.versions)
     body.library.CopyFrom(graph_def.library)
-    body.node.extend(n for n in graph_def.node if n.name not in mapped_nodes)
+    args: dict[int, str] = {}
+    rets: dict[int, str] = {}
+    for node in graph_def.node:
+        if node.op == "_Arg":
+            ph = body.node.add(name=node.name, op="Placeholder")
+            ph.attr["dtype"].CopyFrom(node.attr["T"])
+            args[node.attr["index"].i] = node.name
+        elif node.op == "_Retval":
+            rets[node.attr["index"].i] = node.input[0] if ":" in node.input[0] else f"{node.input[0]}:0"
+        else:
+            body.node.add().CopyFrom(node)
+    if sorted(args) != list(range(len(orig.inputs))) or sorted(rets) != list(range(len(orig.outputs))):
+        raise RewriteError(f"the graph has arguments {sorted(args)} and results {sorted(rets)}; the function takes "
+                           f"{len(orig.inputs)} inputs and returns {len(orig.outputs)} outputs")
+    # Control edges from arguments mean nothing in a function (arguments are ready at the start); the placeholders
+    # standing in for them are mapped away, so such edges would name a node nobody feeds.
+    arg_names = set(args.values())
+    for node in body.node:
+        kept = [i for i in node.input if not (i.startswith("^") and i[1:] in arg_names)]
+        if len(kept) != len(node.input):
+            del node.input[:]
+            node.input.extend(kept)
 
     fg = func_graph_module.FuncGraph(name)
     with fg.as_default():
         input_map = {}
         new_inputs = []
-        for i, t in enumerate(user_inputs):
+        for i in range(n_user):
+            t = orig.inputs[i]
             ph = tf.compat.v1.placeholder(t.dtype, t.shape, name=f"capuchin_input_{i}")
             new_inputs.append(ph)
-            input_map[t.name] = ph
-        for external, internal in orig.captures:
-            input_map[internal.name] = fg.capture(external, name=f"capuchin_capture_{len(input_map)}")
-        output_names = [t.name for t in orig.outputs]
-        control_names = [op.name for op in orig.control_outputs]
+            input_map[f"{args[i]}:0"] = ph
+        for j, (external, _) in enumerate(orig.captures):
+            input_map[f"{args[n_user + j]}:0"] = fg.capture(external, name=f"capuchin_capture_{j}")
+        output_names = [rets[i] for i in range(len(rets))]
+        present = {n.name for n in body.node}
+        control_names = [op.name for op in orig.control_outputs if op.name in present]
         try:
             imported = importer.import_graph_def(body, input_map=input_map,
                                                  return_elements=output_names + control_names, name="")
@@ -68,14 +94,35 @@ def rebuild(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step"
         outputs = imported[: len(output_names)]
         controls = imported[len(output_names):]
     # Inputs: the user's placeholders first, then the captures (the calling convention of a ConcreteFunction).
-    capture_phs = [fg.captures[i][1] for i in range(len(fg.captures))]
-    fg.inputs = new_inputs + capture_phs
+    fg.inputs = new_inputs + [fg.captures[i][1] for i in range(len(fg.captures))]
     fg.outputs = list(outputs)
     fg.structured_outputs = nest.pack_sequence_as(orig.structured_outputs, outputs, expand_composites=True)
     fg.control_outputs = list(controls)
     fg.variables = orig.variables
     fg.structured_input_signature = orig.structured_input_signature
     return ConcreteFunction.from_func_graph(fg, concrete.function_type, attrs={})
+
+
+@contextlib.contextmanager
+def grappler_off():
+    """Functions first called inside run without Grappler (the call options are per call and per thread; a
+    function is instantiated once per distinct options, so later calls inside find the same instantiation)."""
+    ctx = context.context()
+    old = ctx.function_call_options
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(old.config_proto_serialized or b"")
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    ctx.function_call_options = context.FunctionCallOptions(executor_type=old.executor_type, config_proto=config)
+    try:
+        yield
+    finally:
+        ctx.function_call_options = old
+
+
+def call_without_grappler(fn, *args):
+    """`fn(*args)` for a function made by `rebuild`: its graph is already optimized."""
+    with grappler_off():
+        return fn(*args)
 
 
 def _attr_type(dtype) -> attr_value_pb2.AttrValue:
@@ -86,55 +133,38 @@ def _attr_shape(shape) -> attr_value_pb2.AttrValue:
     return attr_value_pb2.AttrValue(shape=tf.TensorShape(shape).as_proto())
 
 
-def _mark(node: node_def_pb2.NodeDef) -> None:
-    node.attr["_grappler_do_not_remove"].CopyFrom(attr_value_pb2.AttrValue(b=True))
-
-
-def insert_hold_get(graph_def: graph_pb2.GraphDef, readers: dict[str, list[str]], dtypes: dict, shapes: dict,
-                    is_late: Callable[[str], bool]) -> graph_pb2.GraphDef:
-    """Hands each tensor in `readers` to the pool right after it is produced and makes each listed reader read it
-    through its own get, gated to run only when the reader's other inputs are ready.
+def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence], dtypes: Mapping[str, str],
+                    shapes: Mapping[str, tuple | None]) -> graph_pb2.GraphDef:
+    r"""Hands each tensor of `plan` (passive.hold_plan) to the pool right after it is produced; each of its far
+    readers reads it through its own Get, which runs only after that read's gates.
 
     Before:                          After:
-        P --t--> F (forward)             P --t--> F
-          \\----> B (backward)             \\--> capuchin/hold/t --h--> capuchin/get/t/0 --t'--> B
-                  ^ u                                                 ^ (ctrl: producer of u)   ^ u
-    Once F has run, the pool holds t's only reference: passive mode can evict it, and the get brings it back.
-    `readers`: tensor id -> names of the nodes to serve through gets; `is_late(node name)` tells the inputs that
-    become ready late (backward ops). Inserted nodes: `capuchin/hold/<tensor>`, `capuchin/get/<tensor>/<k>`.
+        P --t--> F (near reader)         P --t--> F
+          \----> B (far reader)           \--> capuchin/hold/t --h--> capuchin/get/t/0 --t'--> B
+                  ^ u                                                 ^ (ctrl: gates, e.g. u's producer)
+    Once F has run, the pool holds t's only reference: passive mode can evict it, and the Get brings it back.
+    `dtypes`/`shapes`: the tensor's dtype name and static shape (None or -1 entries where unknown).
+    Inserted nodes: `capuchin/hold/<tensor>`, `capuchin/get/<tensor>/<k>`, on the producer's device.
     """
     out = copy.deepcopy(graph_def)
     nodes = {n.name: n for n in out.node}
-    for tid, consumer_names in readers.items():
+    for tid, reads in plan.items():
         op, slot = split_tensor_id(tid)
         ref = op if slot == 0 else f"{op}:{slot}"
         base = f"capuchin/hold/{safe_name(tid)}"
-        hold = out.node.add(name=base, op="Capuchin>Hold", input=[ref])
+        hold = out.node.add(name=base, op="Capuchin>Hold", input=[ref], device=nodes[op].device)
         hold.attr["T"].CopyFrom(_attr_type(dtypes[tid]))
         hold.attr["tensor_name"].CopyFrom(attr_value_pb2.AttrValue(s=tid.encode()))
-        if nodes[op].device:
-            hold.device = nodes[op].device
-        _mark(hold)
         nodes[hold.name] = hold
-        for k, cname in enumerate(consumer_names):
-            consumer = nodes[cname]
-            get = out.node.add(name=f"capuchin/get/{safe_name(tid)}/{k}", op="Capuchin>Get", input=[base])
+        shape = shapes.get(tid)
+        for k, read in enumerate(reads):
+            consumer = nodes[read.reader]
+            get = out.node.add(name=f"capuchin/get/{safe_name(tid)}/{k}", op="Capuchin>Get", input=[base],
+                               device=nodes[op].device)
             get.attr["dtype"].CopyFrom(_attr_type(dtypes[tid]))
-            get.attr["shape"].CopyFrom(_attr_shape(shapes[tid]))
-            _mark(get)
+            get.attr["shape"].CopyFrom(_attr_shape(None if shape is None else [None if d < 0 else d for d in shape]))
+            get.input.extend(f"^{g}" for g in read.gates)
             nodes[get.name] = get
-            # Gate on the reader's inputs that become ready late (backward ones): a gate on a forward producer
-            # (FusedBatchNormGrad's reserve spaces, a variable read) is satisfied at once and would let the get run
-            # early, holding a second reference that keeps the tensor from being evicted. A reader with no late input
-            # (a gradient op recomputing from forward tensors) keeps gates on all its producers: gating it on ops
-            # further downstream was tried and changed the numbers (a control consumer on a producer can stop
-            # Grappler from fusing it; docs/decisions.md).
-            producers = [inp.split(":")[0] for inp in consumer.input if not inp.startswith("^")]
-            producers = [p for p in producers
-                         if p != op and nodes[p].op not in ("Placeholder", "_Arg", "Const")]
-            late = [p for p in producers if is_late(p) or nodes[p].op == "Capuchin>Get"]
-            gates = list(dict.fromkeys(late or producers))
-            get.input.extend(f"^{p}" for p in gates)
             for i, inp in enumerate(consumer.input):
                 if inp == ref or (slot == 0 and inp == f"{op}:0"):
                     consumer.input[i] = get.name

@@ -275,6 +275,20 @@ int64_t HostStore::EvictFor(int64_t bytes_needed) {
       e->state = Residency::kOut;
     }
     if (freed > 0) stalls_.push_back(Stall{start, NowNs(), freed, 0});
+    if (freed == 0 && std::getenv("CAPUCHIN_TF_DEBUG_EVICT") != nullptr) {
+      int64_t in = 0, in_shared = 0;
+      for (const auto& kv : entries_) {
+        const Entry* e = kv.second.get();
+        if (!e->pooled || e->state != Residency::kIn) continue;
+        in += e->bytes;
+        if (!e->device.RefCountIsOne()) {
+          in_shared += e->bytes;
+          LOG(WARNING) << "capuchin: pooled in use " << e->name << " " << e->bytes;
+        }
+      }
+      LOG(WARNING) << "capuchin: EvictFor(" << bytes_needed << ") freed nothing; pooled resident " << in
+                   << " of which in use " << in_shared;
+    }
   }
   drop.clear();  // frees the device buffers, outside the lock
   return freed;

@@ -1,0 +1,96 @@
+"""Which tensors passive mode hands to the pool, and when their late readers fetch them. Pure Python: no TensorFlow.
+
+Passive mode (paper.md §1.4) can only evict a tensor whose buffer nothing but capuchin_tf holds. The measured step
+therefore hands every tensor that lives across other work to the pool right after it is produced (a Hold), and its
+far readers read it through their own Get, gated so that the Get runs when the reader is about to run, not when the
+tensor is produced: between its near readers and its far ones, the pool holds the only reference.
+
+The first iteration has no measurement yet, so "far" is judged on the graph and a schedule estimate (a topological
+order taking ready ops first-in first-out in graph order). The estimate only decides what is held; a wrong guess
+costs memory or time, never correctness: a Get's gates are inputs of its reader, so they cannot make a cycle.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from capuchin_tf.graph_model import GraphModel
+
+# dtypes the host store copies (names as in the graph model)
+SWAPPABLE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "uint16",
+                              "int32", "uint32", "int64", "uint64", "bool", "complex64", "complex128"})
+# Readers that must see the original tensor: the function's results.
+DIRECT_READERS = frozenset({"_Retval"})
+MIN_HOLD_BYTES = 64 * 1024
+BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
+
+
+@dataclasses.dataclass(frozen=True)
+class PooledRead:
+    """`reader` reads the pooled tensor through a Get that runs only after the ops `gates`."""
+
+    reader: str
+    gates: tuple[str, ...]
+
+
+def schedule_order(graph: GraphModel) -> list[str]:
+    """A topological order of the ops (data and control edges): ready ops first-in first-out, in graph order, as
+    TensorFlow's executor runs them with one inter-op thread (its ready queue is first-in first-out)."""
+    index = {name: i for i, name in enumerate(graph.ops)}
+    succ: dict[str, list[str]] = collections.defaultdict(list)
+    missing = {}
+    for op in graph.ops.values():
+        # a lowered loop's back edge (NextIteration -> Merge) is not a dependency: Merge runs on its first input
+        preds = {graph.tensors[t].op for t in op.inputs
+                 if graph.ops[graph.tensors[t].op].type not in BACK_EDGE_OPS} | set(op.control_inputs)
+        preds.discard(op.name)
+        missing[op.name] = len(preds)
+        for p in preds:
+            succ[p].append(op.name)
+    ready = collections.deque(sorted((n for n, k in missing.items() if k == 0), key=index.__getitem__))
+    order = []
+    while ready:
+        name = ready.popleft()
+        order.append(name)
+        for s in sorted(succ[name], key=index.__getitem__):
+            missing[s] -= 1
+            if missing[s] == 0:
+                ready.append(s)
+    if len(order) != len(graph.ops):
+        stuck = sorted(n for n, k in missing.items() if k > 0)[:5]
+        raise ValueError(f"the graph has a cycle (ops never ready: {stuck} ...)")
+    return order
+
+
+def hold_plan(graph: GraphModel, min_bytes: int = MIN_HOLD_BYTES) -> dict[str, list[PooledRead]]:
+    """Tensor id -> its far readers, each with the gate of its Get.
+
+    Held: transient tensors of a swappable dtype and at least `min_bytes`, produced outside loop frames, with a far
+    reader. A reader is far when, in the schedule estimate, at least `min_bytes` of other tensors are produced
+    between the tensor and it: memory is allocated while the tensor waits. Its Get is gated on the op just before
+    the reader in the estimate, so that it runs when the reader is about to. (Gating on the reader's other inputs
+    is not enough: the executor's ready queue is first-in first-out, and a reader ready early, a gradient's
+    BiasAddGrad for instance, still runs late; seen on ResNet50.)
+    """
+    order = schedule_order(graph)
+    pos = {name: i for i, name in enumerate(order)}
+    produced = [0]  # produced[i]: transient bytes the first i ops of the estimate produce
+    for name in order:
+        produced.append(produced[-1] + sum(max(graph.tensors[t].nbytes, 0) for t in graph.ops[name].outputs
+                                           if not graph.tensors[t].persistent))
+    plan: dict[str, list[PooledRead]] = {}
+    for t in graph.tensors.values():
+        if t.persistent or t.nbytes < min_bytes or t.dtype not in SWAPPABLE_DTYPES or not t.consumers:
+            continue
+        if graph.ops[t.op].type in ("Capuchin>Hold", "Capuchin>Get"):
+            continue
+        p = pos[t.op]
+        readers = sorted(dict.fromkeys(t.consumers), key=pos.__getitem__)
+        if any(graph.ops[r].type in DIRECT_READERS for r in readers):
+            continue
+        reads = [PooledRead(r, (order[pos[r] - 1],)) for r in readers
+                 if produced[pos[r]] - produced[p + 1] >= min_bytes]
+        if reads:
+            plan[t.id] = reads
+    return plan

@@ -1,0 +1,107 @@
+"""What passive mode hands to the pool and when the Gets run (capuchin_tf.passive): no TensorFlow."""
+
+import pytest
+
+from capuchin_tf.graph_model import GraphModel, OpInfo, Role, TensorInfo
+from capuchin_tf.passive import MIN_HOLD_BYTES, PooledRead, hold_plan, schedule_order
+
+MB = 1 << 20
+
+
+def graph(spec, persistent=(), dtypes=None, sizes=None, controls=None):
+    """spec: op name -> (type, input tensor ids); every op has one output `<op>:0` of 1 MiB float32."""
+    consumers = {}
+    for name, (_, inputs) in spec.items():
+        for t in inputs:
+            consumers.setdefault(t, []).append(name)
+    ops, tensors = [], []
+    for name, (op_type, inputs) in spec.items():
+        role = Role.BACKWARD if name.startswith("grad") else Role.FORWARD
+        ops.append(OpInfo(name, op_type, tuple(inputs), tuple((controls or {}).get(name, ())), (f"{name}:0",), role))
+        tensors.append(TensorInfo(f"{name}:0", name, dtype=(dtypes or {}).get(name, "float32"),
+                                  nbytes=(sizes or {}).get(name, MB), consumers=tuple(consumers.get(f"{name}:0", ())),
+                                  persistent=name in persistent))
+    return GraphModel.build(ops, tensors)
+
+
+def chain_with_backward():
+    """x -> f1 -> f2 -> f3 -> loss; g3 reads loss and f2, g2 reads g3 and f1, g1 reads g2 and x."""
+    return graph({
+        "x": ("_Arg", ()),
+        "f1": ("MatMul", ("x:0",)),
+        "f2": ("Relu", ("f1:0",)),
+        "f3": ("MatMul", ("f2:0",)),
+        "loss": ("Sum", ("f3:0",)),
+        "grad3": ("ReluGrad", ("loss:0", "f2:0")),
+        "grad2": ("MatMul", ("grad3:0", "f1:0")),
+        "grad1": ("MatMul", ("grad2:0", "x:0")),
+    }, persistent={"x"})
+
+
+def test_schedule_is_first_in_first_out_over_ready_ops():
+    g = graph({
+        "a": ("Const", ()), "b": ("Const", ()),
+        "a1": ("Neg", ("a:0",)), "b1": ("Neg", ("b:0",)),
+        "a2": ("Neg", ("a1:0",)), "join": ("AddV2", ("a2:0", "b1:0")),
+    })
+    # breadth first: both sources, then both of their readers, then a2, then the join
+    assert schedule_order(g) == ["a", "b", "a1", "b1", "a2", "join"]
+
+
+def test_schedule_follows_control_edges_and_ignores_loop_back_edges():
+    g = graph({
+        "a": ("Const", ()), "b": ("Const", ()),
+        "merge": ("Merge", ("a:0", "next:0")),
+        "body": ("Neg", ("merge:0",)),
+        "next": ("NextIteration", ("body:0",)),
+    }, controls={"a": ("b",)})
+    order = schedule_order(g)
+    assert order.index("b") < order.index("a") < order.index("merge") < order.index("body") < order.index("next")
+
+
+def test_schedule_rejects_a_real_cycle():
+    g = graph({"a": ("Neg", ("b:0",)), "b": ("Neg", ("a:0",))})
+    with pytest.raises(ValueError, match="cycle"):
+        schedule_order(g)
+
+
+def test_forward_tensors_read_by_the_backward_pass_are_held_and_their_gets_run_just_before_the_reader():
+    g = chain_with_backward()
+    plan = hold_plan(g, min_bytes=MB)
+    order = schedule_order(g)
+    # f1 is read next by f2 (near: direct) and later by grad2 (far); f2 by f3 (direct) and grad3 (far)
+    assert set(plan) == {"f1:0", "f2:0"}
+    assert plan["f1:0"] == [PooledRead("grad2", (order[order.index("grad2") - 1],))]
+    assert plan["f2:0"] == [PooledRead("grad3", (order[order.index("grad3") - 1],))]
+    # a gate always precedes its reader in a topological order: no cycle can follow
+    for reads in plan.values():
+        for r in reads:
+            assert all(order.index(gate) < order.index(r.reader) for gate in r.gates)
+
+
+def test_what_is_not_held():
+    g = graph({
+        "x": ("_Arg", ()),
+        "small": ("MatMul", ("x:0",)),
+        "ints": ("Cast", ("x:0",)),
+        "res": ("Neg", ("x:0",)),
+        "f": ("MatMul", ("x:0",)),
+        "mid1": ("Neg", ("f:0",)), "mid2": ("Neg", ("mid1:0",)), "mid3": ("Neg", ("mid2:0",)),
+        "late": ("AddN", ("small:0", "ints:0", "res:0", "mid3:0")),
+        "out": ("_Retval", ("res:0",)),
+    }, persistent={"x"}, dtypes={"ints": "string"}, sizes={"small": 1024, "out": 0})
+    plan = hold_plan(g, min_bytes=MB)
+    # persistent x, a tensor under min_bytes, a dtype the host store cannot copy, a function result: not held
+    assert set(plan) == set()
+    assert MIN_HOLD_BYTES >= 1024
+
+
+def test_a_reader_is_far_only_when_memory_is_allocated_while_the_tensor_waits():
+    spec = {
+        "x": ("_Arg", ()),
+        "t": ("MatMul", ("x:0",)),
+        "other": ("MatMul", ("x:0",)),  # produced between t and its reader in the estimate
+        "reader": ("AddV2", ("t:0", "other:0")),
+    }
+    assert hold_plan(graph(spec, persistent={"x"}), min_bytes=MB)  # 1 MiB produced meanwhile: far
+    assert not hold_plan(graph(spec, persistent={"x"}, sizes={"other": MB // 2}), min_bytes=MB)  # near
