@@ -1,6 +1,7 @@
 """`python -m capuchin_tf profile`: the measured execution of a named model, compared with plain TensorFlow.
 
-    python -m capuchin_tf profile --model cnn --batch 32 [--budget-mb 60] --json trace.json [--plot curve.png]
+    python -m capuchin_tf profile --model cnn --batch 32 [--budget-mb 60 | --transient-fraction 0.5] --json trace.json
+        [--plot curve.png]
 
 Runs, each in a fresh process on the simulated device (design.md), on the same seed and data:
   1. a plain TensorFlow step with enough memory: its loss, variables and measured peak;
