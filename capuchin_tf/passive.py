@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
+from typing import Mapping
 
 from capuchin_tf.graph_model import GraphModel
 
@@ -34,9 +36,14 @@ class PooledRead:
     gates: tuple[str, ...]
 
 
-def schedule_order(graph: GraphModel) -> list[str]:
-    """A topological order of the ops (data and control edges): ready ops first-in first-out, in graph order, as
-    TensorFlow's executor runs them with one inter-op thread (its ready queue is first-in first-out)."""
+def schedule_order(graph: GraphModel, priority: Mapping[str, float] | None = None) -> list[str]:
+    """A topological order of the ops (data and control edges).
+
+    Without `priority`: ready ops first-in first-out, in graph order, as TensorFlow's executor runs them with one
+    inter-op thread (its ready queue is first-in first-out). With `priority` (for example each op's measured start):
+    among the ready ops, the one of lowest priority first (ops without one last, in graph order), so that the order
+    is the measured one wherever the measured one is an order of the graph.
+    """
     index = {name: i for i, name in enumerate(graph.ops)}
     succ: dict[str, list[str]] = collections.defaultdict(list)
     missing = {}
@@ -48,15 +55,33 @@ def schedule_order(graph: GraphModel) -> list[str]:
         missing[op.name] = len(preds)
         for p in preds:
             succ[p].append(op.name)
-    ready = collections.deque(sorted((n for n, k in missing.items() if k == 0), key=index.__getitem__))
+    if priority is None:
+        def key(name: str) -> tuple:
+            return (index[name],)
+    else:
+        def key(name: str) -> tuple:
+            return (0, priority[name], index[name]) if name in priority else (1, 0.0, index[name])
+    ready = [n for n, k in missing.items() if k == 0]
     order = []
-    while ready:
-        name = ready.popleft()
-        order.append(name)
-        for s in sorted(succ[name], key=index.__getitem__):
-            missing[s] -= 1
-            if missing[s] == 0:
-                ready.append(s)
+    if priority is None:
+        queue = collections.deque(sorted(ready, key=key))
+        while queue:
+            name = queue.popleft()
+            order.append(name)
+            for s in sorted(succ[name], key=key):
+                missing[s] -= 1
+                if missing[s] == 0:
+                    queue.append(s)
+    else:
+        heap = [(key(n), n) for n in ready]
+        heapq.heapify(heap)
+        while heap:
+            _, name = heapq.heappop(heap)
+            order.append(name)
+            for s in succ[name]:
+                missing[s] -= 1
+                if missing[s] == 0:
+                    heapq.heappush(heap, (key(s), s))
     if len(order) != len(graph.ops):
         stuck = sorted(n for n, k in missing.items() if k > 0)[:5]
         raise ValueError(f"the graph has a cycle (ops never ready: {stuck} ...)")

@@ -27,6 +27,7 @@ from tensorflow.python.framework import importer
 from tensorflow.python.util import nest
 
 from capuchin_tf.graph_model import split_tensor_id
+from capuchin_tf.passive import schedule_order
 
 class RewriteError(RuntimeError):
     """The rewritten graph could not be built."""
@@ -168,4 +169,140 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence],
             for i, inp in enumerate(consumer.input):
                 if inp == ref or (slot == 0 and inp == f"{op}:0"):
                     consumer.input[i] = get.name
+    return out
+
+
+def _ref(tid: str) -> str:
+    op, slot = split_tensor_id(tid)
+    return op if slot == 0 else f"{op}:{slot}"
+
+
+def _reads(node: node_def_pb2.NodeDef, tid: str) -> bool:
+    op, slot = split_tensor_id(tid)
+    return any(i == _ref(tid) or (slot == 0 and i == f"{op}:0") for i in node.input)
+
+
+def _rewire(node: node_def_pb2.NodeDef, tid: str, new_ref: str) -> None:
+    op, slot = split_tensor_id(tid)
+    for i, inp in enumerate(node.input):
+        if inp == _ref(tid) or (slot == 0 and inp == f"{op}:0"):
+            node.input[i] = new_ref
+
+
+def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, str],
+               shapes: Mapping[str, tuple | None]) -> graph_pb2.GraphDef:
+    r"""The optimized graph of the measured step with `plan`'s swaps and recomputations inserted.
+
+    `trace` is the AccessTrace the plan was made from (its op names are the graph's node names): it tells which
+    readers come after a decision's evicted-access, and which op ran just before a back-access. `dtypes`/`shapes`:
+    the planned tensors' dtype names and static shapes.
+
+    A swap of t (evicted-access E, in-trigger T, back-access B):
+
+        P --t--> E ...                    P --t--> E ...
+          \----> B                          \--> capuchin/swap_out/t --h--> capuchin/prefetch/t --h--> capuchin/swap_in/t --t'--> B
+                                            ^ (ctrl: E)                       ^ (ctrl: T)
+    The swap-out runs once E is done and frees the device buffer when its copy ends; the prefetch starts the copy
+    back when T is done; the swap-in hands the tensor to B and every later reader (it waits only if the prefetch is
+    late, and counts it). Without an in-trigger (on demand) there is no prefetch and the swap-in is gated on the op
+    that ran just before B in the measured step.
+
+    A recomputation of t from sources S by replaying ops r1..rk:
+
+        S --> r1 --> ... --> rk --t--> E ...          S --> r1 --> ... --> rk --t--> E ...
+                                 \---> B                \--> capuchin/recompute/t/r1 --> ... --> capuchin/recompute/t/rk --t'--> B
+                                                             ^ (ctrl: the trigger, or the op before B when on demand)
+    The clones read the sources (resident when they run) and each other; t' feeds B and every later reader, so the
+    original t is freed after E. Targets the replay keeps (collective recomputation) are served from the same
+    clones.
+    """
+    out = copy.deepcopy(graph_def)
+    nodes = {n.name: n for n in out.node}
+    # The measured order, made an order of the graph (ops that overlapped in time are ordered by their starts).
+    measured = schedule_order(trace.graph, priority={o.name: o.start for o in trace.ops})
+    executed = [name for name in measured if name in nodes]
+    before = {name: executed[i - 1] for i, name in enumerate(executed) if i > 0}
+    # The plan was made for the measured order: make it the executed one. A control edge only means "not before",
+    # so each op waits for the one before it in that order.
+    for name in executed[1:]:
+        node = nodes[name]
+        if node.op not in ("_Arg", "_Retval") and f"^{before[name]}" not in node.input:
+            node.input.append(f"^{before[name]}")
+
+    def later_readers(tid: str, evicted_index: int) -> list[str]:
+        names = [a.op for a in trace.tensors[tid].accesses if a.index > evicted_index]
+        return [n for n in dict.fromkeys(names) if n in nodes and _reads(nodes[n], tid)]
+
+    def gate_before(op_name: str) -> list[str]:
+        g = before.get(op_name)
+        return [f"^{g}"] if g is not None and g in nodes else []
+
+    def add(name: str, op_type: str, inputs: list[str], device: str) -> node_def_pb2.NodeDef:
+        if name in nodes:
+            raise RewriteError(f"the rewrite would insert {name!r} twice")
+        node = out.node.add(name=name, op=op_type, input=inputs, device=device)
+        nodes[name] = node
+        return node
+
+    for d in plan.swaps:
+        tid = d.tensor
+        producer = nodes[split_tensor_id(tid)[0]]
+        key = safe_name(tid)
+        readers = later_readers(tid, d.evicted_access.index)
+        if not readers:
+            continue
+        out_ctrl = [f"^{d.evicted_access.op}"] if d.evicted_access.op != producer.name else []
+        swap_out = add(f"capuchin/swap_out/{key}", "Capuchin>SwapOut", [_ref(tid), *out_ctrl], producer.device)
+        swap_out.attr["T"].CopyFrom(_attr_type(dtypes[tid]))
+        swap_out.attr["tensor_name"].CopyFrom(attr_value_pb2.AttrValue(s=tid.encode()))
+        handle = swap_out.name
+        if d.in_trigger is not None:
+            prefetch = add(f"capuchin/prefetch/{key}", "Capuchin>Prefetch", [handle, f"^{d.in_trigger.op}"],
+                           producer.device)
+            swap_in_inputs = [prefetch.name]
+        else:
+            swap_in_inputs = [handle, *gate_before(d.back_access.op)]
+        swap_in = add(f"capuchin/swap_in/{key}", "Capuchin>SwapIn", swap_in_inputs, producer.device)
+        swap_in.attr["dtype"].CopyFrom(_attr_type(dtypes[tid]))
+        shape = shapes.get(tid)
+        swap_in.attr["shape"].CopyFrom(_attr_shape(None if shape is None else [None if x < 0 else x for x in shape]))
+        for r in readers:
+            _rewire(nodes[r], tid, swap_in.name)
+
+    by_target = {d.tensor: d for d in plan.recomputes}
+    for d in plan.recomputes:
+        if not d.replay_ops:
+            continue  # rebuilt and kept by another target's replay (d.regenerated_by), served below
+        key = safe_name(d.tensor)
+        replayed = set(d.replay_ops)
+        clone_of: dict[str, str] = {}
+        gate = [f"^{d.trigger.op}"] if d.trigger_mode == "early" else gate_before(d.back_access.op)
+        for name in d.replay_ops:
+            original = nodes[name]
+            clone = copy.deepcopy(original)
+            clone.name = f"capuchin/recompute/{key}/{name}"
+            del clone.input[:]
+            for inp in original.input:
+                if inp.startswith("^"):
+                    continue  # ordering edges of the original: the clone is ordered by its gate and its inputs
+                src = inp.split(":")[0]
+                if src in replayed:
+                    clone.input.append(inp.replace(src, clone_of[src], 1))
+                else:
+                    clone.input.append(inp)
+            if not any(i.split(":")[0] in clone_of for i in clone.input):
+                clone.input.extend(gate)
+            if clone.name in nodes:
+                raise RewriteError(f"the rewrite would insert {clone.name!r} twice")
+            out.node.append(clone)
+            nodes[clone.name] = out.node[-1]
+            clone_of[name] = clone.name
+        for target in (d.tensor, *d.keeps):
+            td = by_target.get(target, d)
+            op, slot = split_tensor_id(target)
+            if op not in clone_of:
+                raise RewriteError(f"the replay for {d.tensor} does not rebuild {target}")
+            new_ref = clone_of[op] if slot == 0 else f"{clone_of[op]}:{slot}"
+            for r in later_readers(target, td.evicted_access.index):
+                _rewire(nodes[r], target, new_ref)
     return out
