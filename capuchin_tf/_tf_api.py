@@ -25,7 +25,13 @@ from capuchin_tf.ops import (  # noqa: E402
     swap_out,
 )
 
+from capuchin_tf.decorator import function  # noqa: E402
+from capuchin_tf.runtime import CapuchinError, ManagedStep  # noqa: E402
+
 __all__ = [
+    "CapuchinError",
+    "ManagedStep",
+    "function",
     "HandleStatus",
     "allocator_stats",
     "drain_access_records",

@@ -123,10 +123,12 @@ def set_passive_mode(enabled: bool) -> None:
 
 
 def drain_stalls() -> dict[str, np.ndarray]:
-    """Stalls recorded since the last drain: `start_ns`, `end_ns` (CLOCK_MONOTONIC), `bytes`, `kind`
-    (0 passive eviction, 1 a get that brought an evicted tensor back)."""
-    starts, ends, nbytes, kinds = _ops.capuchin_drain_stalls()
-    return {"start_ns": starts.numpy(), "end_ns": ends.numpy(), "bytes": nbytes.numpy(), "kind": kinds.numpy()}
+    """Stalls recorded since the last drain: `start_ns`, `end_ns` (CLOCK_MONOTONIC), `bytes`, `kind` (0 passive
+    eviction, 1 a get that brought an evicted tensor back, 2 a swap-in that waited for its copy) and `name` (the
+    tensor, for kinds 1 and 2)."""
+    starts, ends, nbytes, kinds, names = _ops.capuchin_drain_stalls()
+    return {"start_ns": starts.numpy(), "end_ns": ends.numpy(), "bytes": nbytes.numpy(), "kind": kinds.numpy(),
+            "name": np.array([s.decode() for s in names.numpy().tolist()], dtype=object)}
 
 
 def record_access(tensor, tensor_id: str, access_index: int = 0) -> tf.Tensor:

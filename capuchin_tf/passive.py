@@ -12,12 +12,10 @@ costs memory or time, never correctness: a Get's gates are inputs of its reader,
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import heapq
-from typing import Mapping
 
 from capuchin_tf.graph_model import GraphModel
+from capuchin_tf.schedule import schedule_order
 
 # dtypes the host store copies (names as in the graph model)
 SWAPPABLE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "uint16",
@@ -25,7 +23,6 @@ SWAPPABLE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8
 # Readers that must see the original tensor: the function's results.
 DIRECT_READERS = frozenset({"_Retval"})
 MIN_HOLD_BYTES = 64 * 1024
-BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,58 +31,6 @@ class PooledRead:
 
     reader: str
     gates: tuple[str, ...]
-
-
-def schedule_order(graph: GraphModel, priority: Mapping[str, float] | None = None) -> list[str]:
-    """A topological order of the ops (data and control edges).
-
-    Without `priority`: ready ops first-in first-out, in graph order, as TensorFlow's executor runs them with one
-    inter-op thread (its ready queue is first-in first-out). With `priority` (for example each op's measured start):
-    among the ready ops, the one of lowest priority first (ops without one last, in graph order), so that the order
-    is the measured one wherever the measured one is an order of the graph.
-    """
-    index = {name: i for i, name in enumerate(graph.ops)}
-    succ: dict[str, list[str]] = collections.defaultdict(list)
-    missing = {}
-    for op in graph.ops.values():
-        # a lowered loop's back edge (NextIteration -> Merge) is not a dependency: Merge runs on its first input
-        preds = {graph.tensors[t].op for t in op.inputs
-                 if graph.ops[graph.tensors[t].op].type not in BACK_EDGE_OPS} | set(op.control_inputs)
-        preds.discard(op.name)
-        missing[op.name] = len(preds)
-        for p in preds:
-            succ[p].append(op.name)
-    if priority is None:
-        def key(name: str) -> tuple:
-            return (index[name],)
-    else:
-        def key(name: str) -> tuple:
-            return (0, priority[name], index[name]) if name in priority else (1, 0.0, index[name])
-    ready = [n for n, k in missing.items() if k == 0]
-    order = []
-    if priority is None:
-        queue = collections.deque(sorted(ready, key=key))
-        while queue:
-            name = queue.popleft()
-            order.append(name)
-            for s in sorted(succ[name], key=key):
-                missing[s] -= 1
-                if missing[s] == 0:
-                    queue.append(s)
-    else:
-        heap = [(key(n), n) for n in ready]
-        heapq.heapify(heap)
-        while heap:
-            _, name = heapq.heappop(heap)
-            order.append(name)
-            for s in succ[name]:
-                missing[s] -= 1
-                if missing[s] == 0:
-                    heapq.heappush(heap, (key(s), s))
-    if len(order) != len(graph.ops):
-        stuck = sorted(n for n, k in missing.items() if k > 0)[:5]
-        raise ValueError(f"the graph has a cycle (ops never ready: {stuck} ...)")
-    return order
 
 
 def hold_plan(graph: GraphModel, min_bytes: int = MIN_HOLD_BYTES) -> dict[str, list[PooledRead]]:

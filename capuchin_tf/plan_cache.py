@@ -120,6 +120,14 @@ class PlanCache:
 
     def load(self, key: CacheKey) -> Plan | None:
         """The plan stored for `key`; None if there is none or, with one PlanCacheWarning, if its file is unusable."""
+        entry = self._load(key)
+        return None if entry is None else entry[0]
+
+    def load_entry(self, key: CacheKey) -> tuple[Plan, dict] | None:
+        """The plan stored for `key` and the `extra` stored with it; None as for `load`."""
+        return self._load(key)
+
+    def _load(self, key: CacheKey) -> tuple[Plan, dict] | None:
         path = self.path_for(key)
         try:
             return _read_entry(path, key)
@@ -129,7 +137,7 @@ class PlanCache:
             reason = f"cannot be read ({e})"
         except _BadEntry as e:
             reason = str(e)
-        warnings.warn(f"ignoring plan cache entry {path}: {reason}", PlanCacheWarning, stacklevel=2)
+        warnings.warn(f"ignoring plan cache entry {path}: {reason}", PlanCacheWarning, stacklevel=3)
         return None
 
     def entries(self) -> list[pathlib.Path]:
@@ -146,7 +154,7 @@ class PlanCache:
         return len(paths)
 
 
-def _read_entry(path: pathlib.Path, key: CacheKey) -> Plan:
+def _read_entry(path: pathlib.Path, key: CacheKey) -> tuple[Plan, dict]:
     data = path.read_bytes()
     try:
         entry = json.loads(data)
@@ -167,6 +175,10 @@ def _read_entry(path: pathlib.Path, key: CacheKey) -> Plan:
         differing = [name for name in want if _canonical(want[name]) != _canonical(have[name])]
         raise _BadEntry(f"stale entry: its key differs from the requested one in {', '.join(differing)}")
     try:
-        return Plan.from_json(entry["plan"])
+        plan = Plan.from_json(entry["plan"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise _BadEntry(f"malformed plan ({type(e).__name__}: {e})") from None
+    extra = entry.get("extra", {})
+    if not isinstance(extra, dict):
+        raise _BadEntry("malformed extra (not an object)")
+    return plan, extra

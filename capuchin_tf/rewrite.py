@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+import warnings
 from typing import Mapping, Sequence
 
 import tensorflow as tf
@@ -27,7 +28,7 @@ from tensorflow.python.framework import importer
 from tensorflow.python.util import nest
 
 from capuchin_tf.graph_model import split_tensor_id
-from capuchin_tf.passive import schedule_order
+from capuchin_tf.schedule import guided_order
 
 class RewriteError(RuntimeError):
     """The rewritten graph could not be built."""
@@ -218,10 +219,11 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
     """
     out = copy.deepcopy(graph_def)
     nodes = {n.name: n for n in out.node}
-    # The measured order, made an order of the graph (ops that overlapped in time are ordered by their starts).
-    measured = schedule_order(trace.graph, priority={o.name: o.start for o in trace.ops})
-    executed = [name for name in measured if name in nodes]
+    # The measured order, made an order of the graph (ops that overlapped in time are ordered by their starts), with
+    # the forward pass's state writes moved after its large allocations (schedule.guided_order).
+    executed = [name for name in guided_order(trace.graph, {o.name: o.start for o in trace.ops}) if name in nodes]
     before = {name: executed[i - 1] for i, name in enumerate(executed) if i > 0}
+    skipped: list[str] = []
     # The plan was made for the measured order: make it the executed one. A control edge only means "not before",
     # so each op waits for the one before it in that order.
     for name in executed[1:]:
@@ -244,6 +246,11 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
         nodes[name] = node
         return node
 
+    pos = {name: i for i, name in enumerate(executed)}
+
+    def first(names: list[str]) -> str:
+        return min(names, key=lambda n: pos.get(n, len(pos)))
+
     for d in plan.swaps:
         tid = d.tensor
         producer = nodes[split_tensor_id(tid)[0]]
@@ -251,17 +258,24 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
         readers = later_readers(tid, d.evicted_access.index)
         if not readers:
             continue
+        back = first(readers)
+        if pos.get(d.evicted_access.op, -1) >= pos.get(back, len(pos)):
+            skipped.append(tid)  # the enforced order puts the evicted-access after a later reader: not realizable
+            continue
         out_ctrl = [f"^{d.evicted_access.op}"] if d.evicted_access.op != producer.name else []
         swap_out = add(f"capuchin/swap_out/{key}", "Capuchin>SwapOut", [_ref(tid), *out_ctrl], producer.device)
         swap_out.attr["T"].CopyFrom(_attr_type(dtypes[tid]))
         swap_out.attr["tensor_name"].CopyFrom(attr_value_pb2.AttrValue(s=tid.encode()))
         handle = swap_out.name
-        if d.in_trigger is not None:
-            prefetch = add(f"capuchin/prefetch/{key}", "Capuchin>Prefetch", [handle, f"^{d.in_trigger.op}"],
+        trigger = d.in_trigger.op if d.in_trigger is not None else None
+        if trigger is not None and pos.get(trigger, len(pos)) >= pos[back]:
+            trigger = before.get(back)  # the trigger falls after the back-access in the enforced order
+        if trigger is not None:
+            prefetch = add(f"capuchin/prefetch/{key}", "Capuchin>Prefetch", [handle, f"^{trigger}"],
                            producer.device)
             swap_in_inputs = [prefetch.name]
         else:
-            swap_in_inputs = [handle, *gate_before(d.back_access.op)]
+            swap_in_inputs = [handle, *gate_before(back)]
         swap_in = add(f"capuchin/swap_in/{key}", "Capuchin>SwapIn", swap_in_inputs, producer.device)
         swap_in.attr["dtype"].CopyFrom(_attr_type(dtypes[tid]))
         shape = shapes.get(tid)
@@ -276,7 +290,12 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
         key = safe_name(d.tensor)
         replayed = set(d.replay_ops)
         clone_of: dict[str, str] = {}
-        gate = [f"^{d.trigger.op}"] if d.trigger_mode == "early" else gate_before(d.back_access.op)
+        readers = later_readers(d.tensor, d.evicted_access.index)
+        if not readers:
+            continue
+        back = first(readers)
+        early = d.trigger_mode == "early" and pos.get(d.trigger.op, len(pos)) < pos[back]
+        gate = [f"^{d.trigger.op}"] if early else gate_before(back)
         for name in d.replay_ops:
             original = nodes[name]
             clone = copy.deepcopy(original)
@@ -305,4 +324,7 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
             new_ref = clone_of[op] if slot == 0 else f"{clone_of[op]}:{slot}"
             for r in later_readers(target, td.evicted_access.index):
                 _rewire(nodes[r], target, new_ref)
+    if skipped:
+        warnings.warn(f"capuchin_tf: {len(skipped)} planned swap(s) cannot follow the enforced order and were left "
+                      f"out: {skipped[:3]}", RuntimeWarning, stacklevel=2)
     return out

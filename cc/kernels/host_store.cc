@@ -180,7 +180,7 @@ int64_t HostStore::Hold(const Tensor& tensor, const std::string& name) {
   return e->handle;
 }
 
-absl::Status HostStore::Get(int64_t handle, Allocator* device_allocator, DataType expected_dtype, Tensor* out) {
+absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType expected_dtype, Tensor* out) {
   std::shared_ptr<Entry> e;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -202,13 +202,14 @@ absl::Status HostStore::Get(int64_t handle, Allocator* device_allocator, DataTyp
   // Evicted: bring it back synchronously (the paper's access failure). Allocate outside the lock: the allocation
   // may itself evict other pooled tensors.
   const int64_t start = NowNs();
-  Tensor tensor(device_allocator, e->dtype, e->shape);
-  if (e->bytes > 0 && !tensor.IsInitialized()) {
+  Tensor tensor;
+  const absl::Status allocated = allocate(e->dtype, e->shape, &tensor);
+  if (!allocated.ok() || (e->bytes > 0 && !tensor.IsInitialized())) {
     std::lock_guard<std::mutex> lock(mu_);
     e->state = Residency::kOut;
     counters_.failed_swap_ins++;
     return errors::ResourceExhausted("Capuchin>Get: OOM when allocating ", e->bytes, " bytes to bring back '",
-                                     e->name, "' with allocator ", device_allocator->Name());
+                                     e->name, "': ", allocated.message());
   }
   if (e->bytes > 0) std::memcpy(const_cast<char*>(tensor.tensor_data().data()), e->host, e->bytes);
   std::lock_guard<std::mutex> lock(mu_);
@@ -218,9 +219,15 @@ absl::Status HostStore::Get(int64_t handle, Allocator* device_allocator, DataTyp
   counters_.passive_swap_ins++;
   counters_.swap_ins++;
   counters_.bytes_in += e->bytes;
-  stalls_.push_back(Stall{start, NowNs(), e->bytes, 1});
+  stalls_.push_back(Stall{start, NowNs(), e->bytes, 1, e->name});
   *out = std::move(tensor);
   return absl::OkStatus();
+}
+
+void HostStore::LogWait(const Entry& e) {
+  const int64_t now = NowNs();
+  counters_.wait_ns += now - e.wait_start_ns;
+  stalls_.push_back(Stall{e.wait_start_ns, now, e.bytes, 2, e.name});
 }
 
 int64_t HostStore::EvictFor(int64_t bytes_needed) {
@@ -274,7 +281,7 @@ int64_t HostStore::EvictFor(int64_t bytes_needed) {
       e->device = Tensor();
       e->state = Residency::kOut;
     }
-    if (freed > 0) stalls_.push_back(Stall{start, NowNs(), freed, 0});
+    if (freed > 0) stalls_.push_back(Stall{start, NowNs(), freed, 0, ""});
     if (freed == 0 && std::getenv("CAPUCHIN_TF_DEBUG_EVICT") != nullptr) {
       int64_t in = 0, in_shared = 0;
       for (const auto& kv : entries_) {
@@ -454,7 +461,7 @@ void HostStore::RunOutWorker() {
     if (e->state == Residency::kIn && e->waiter) {  // a SwapIn was waiting and the tensor never left
       waiter = std::move(e->waiter);
       deliver = std::move(drop);
-      counters_.wait_ns += NowNs() - e->wait_start_ns;
+      LogWait(*e);
       Erase(e->handle);
     }
     lock.unlock();
@@ -514,7 +521,7 @@ void HostStore::RunInWorker() {
       } else if (e->waiter) {
         waiter = std::move(e->waiter);
         deliver = std::move(tensor);
-        counters_.wait_ns += NowNs() - e->wait_start_ns;
+        LogWait(*e);
         Erase(e->handle);
       } else {
         e->device = std::move(tensor);
@@ -525,7 +532,7 @@ void HostStore::RunInWorker() {
       if (e->released) FreeHostBuffer(e.get());
       if (e->waiter) {
         waiter = std::move(e->waiter);
-        counters_.wait_ns += NowNs() - e->wait_start_ns;
+        LogWait(*e);
       }
     }
     lock.unlock();

@@ -63,7 +63,8 @@ struct Stall {
   int64_t start_ns = 0;  // CLOCK_MONOTONIC
   int64_t end_ns = 0;
   int64_t bytes = 0;
-  int32_t kind = 0;  // 0: passive eviction, 1: a Get brought an evicted tensor back
+  int32_t kind = 0;  // 0: passive eviction, 1: a Get brought an evicted tensor back, 2: a SwapIn waited for its copy
+  std::string name;  // the tensor (kinds 1 and 2)
 };
 
 class HostStore {
@@ -89,7 +90,10 @@ class HostStore {
   // the handle; EvictFor, called by the allocator wrapper when an allocation fails, copies pooled tensors that
   // nobody else references to host memory (synchronously) and drops their device buffers.
   int64_t Hold(const Tensor& tensor, const std::string& name);
-  absl::Status Get(int64_t handle, Allocator* device_allocator, DataType expected_dtype, Tensor* out);
+  // `allocate` makes the device tensor an evicted entry comes back into (the Get kernel's own allocate_temp, so
+  // that the allocation is attributed to the Get op in the profiler's memory events).
+  using AllocateFn = std::function<absl::Status(DataType, const TensorShape&, Tensor*)>;
+  absl::Status Get(int64_t handle, const AllocateFn& allocate, DataType expected_dtype, Tensor* out);
   int64_t EvictFor(int64_t bytes_needed);
   void SetPassive(bool enabled) { passive_.store(enabled); }
   bool passive() const { return passive_.load(); }
@@ -126,6 +130,7 @@ class HostStore {
   void TrimPool();
   void SleepForLink(double bps, int64_t bytes, int64_t start_ns);
   void Erase(int64_t handle);                                                        // mu_ held
+  void LogWait(const Entry& e);  // mu_ held: a SwapIn waited from e.wait_start_ns until now
 
   std::mutex mu_;
   std::condition_variable out_cv_, in_cv_;

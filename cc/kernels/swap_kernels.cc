@@ -104,7 +104,10 @@ class GetOp : public OpKernel {
     int64_t handle;
     OP_REQUIRES_OK(ctx, ScalarHandle(ctx, &handle));
     Tensor tensor;
-    OP_REQUIRES_OK(ctx, HostStore::Global()->Get(handle, DeviceAllocator(ctx), dtype_, &tensor));
+    auto allocate = [ctx](DataType dtype, const TensorShape& shape, Tensor* t) {
+      return ctx->allocate_temp(dtype, shape, t);
+    };
+    OP_REQUIRES_OK(ctx, HostStore::Global()->Get(handle, allocate, dtype_, &tensor));
     ctx->set_output(0, tensor);
   }
 
@@ -125,16 +128,18 @@ class DrainStallsOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const std::vector<Stall> stalls = HostStore::Global()->DrainStalls();
     const int64_t n = static_cast<int64_t>(stalls.size());
-    Tensor *starts, *ends, *bytes, *kinds;
+    Tensor *starts, *ends, *bytes, *kinds, *names;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &starts));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &ends));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({n}), &bytes));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({n}), &kinds));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({n}), &names));
     for (int64_t i = 0; i < n; ++i) {
       starts->flat<int64_t>()(i) = stalls[i].start_ns;
       ends->flat<int64_t>()(i) = stalls[i].end_ns;
       bytes->flat<int64_t>()(i) = stalls[i].bytes;
       kinds->flat<int32_t>()(i) = stalls[i].kind;
+      names->flat<tstring>()(i) = stalls[i].name;
     }
   }
 };

@@ -194,11 +194,13 @@ REGISTER_OP("Capuchin>DrainStalls")
     .Output("ends_ns: int64")
     .Output("bytes: int64")
     .Output("kinds: int32")
+    .Output("names: string")
     .SetIsStateful()
     .SetShapeFn(VectorOutputs)
     .Doc(R"doc(
 Every stall recorded since the last drain (CLOCK_MONOTONIC ns): kind 0 a passive eviction (inside an allocation),
-kind 1 a Get that brought an evicted tensor back. Empties the log.
+kind 1 a Get that brought an evicted tensor back, kind 2 a SwapIn that waited for its copy (a late prefetch or an
+on-demand swap-in), with the tensor's name for kinds 1 and 2. Empties the log.
 )doc");
 
 REGISTER_OP("Capuchin>RecordAccess")

@@ -3,7 +3,8 @@
 import pytest
 
 from capuchin_tf.graph_model import GraphModel, OpInfo, Role, TensorInfo
-from capuchin_tf.passive import MIN_HOLD_BYTES, PooledRead, hold_plan, schedule_order
+from capuchin_tf.passive import MIN_HOLD_BYTES, PooledRead, hold_plan
+from capuchin_tf.schedule import schedule_order
 
 MB = 1 << 20
 
