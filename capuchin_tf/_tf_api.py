@@ -26,9 +26,11 @@ from capuchin_tf.ops import (  # noqa: E402
 )
 
 from capuchin_tf.decorator import function  # noqa: E402
+from capuchin_tf.keras_callback import CapuchinCallback  # noqa: E402
 from capuchin_tf.runtime import CapuchinError, ManagedStep  # noqa: E402
 
 __all__ = [
+    "CapuchinCallback",
     "CapuchinError",
     "ManagedStep",
     "function",

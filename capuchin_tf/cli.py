@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from capuchin_tf import profile_cli  # noqa: F401  (registers `profile`; imports TensorFlow only when run)
+    from capuchin_tf import bench_cli  # noqa: F401  (registers `bench`; imports TensorFlow only when run)
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -77,6 +77,24 @@ def _anchor() -> int:
         return time.monotonic_ns()
 
 
+def passive_step(concrete, args):
+    """The step with passive mode's tensor pool: its optimized graph (obtained without running it) with every tensor
+    that waits while memory is allocated handed to the pool (passive.hold_plan, rewrite.insert_hold_get). Run it with
+    `rewrite.call_without_grappler` and passive mode on: it completes under a limit the plain step does not fit, as
+    long as what is not pooled fits, with the plain step's results bit for bit."""
+    optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
+    # Static shapes of every tensor of the optimized graph (Grappler's new nodes included): imported as is.
+    shaped = rewrite.rebuild(concrete, optimized, name="capuchin_shapes").graph
+    plan = hold_plan(capture.graph_model(optimized, shaped))
+    dtypes, shapes = {}, {}
+    for tid in plan:
+        t = shaped.get_tensor_by_name(tid)
+        dtypes[tid] = t.dtype.name
+        shapes[tid] = None if t.shape.rank is None else tuple(-1 if d is None else d for d in t.shape.as_list())
+    return rewrite.rebuild(concrete, rewrite.insert_hold_get(optimized, plan, dtypes, shapes),
+                           name="capuchin_passive_step")
+
+
 def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None = None, meta: dict | None = None,
                  keep_profile: str | None = None):
     """Runs `step(*args)` once as the measured execution. Returns (outputs, AccessTrace).
@@ -89,17 +107,7 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
     """
     concrete = capture.concrete_step(step, args)  # traces the function and refuses jit_compile
     if passive:
-        optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
-        # Static shapes of every tensor of the optimized graph (Grappler's new nodes included): imported as is.
-        shaped = rewrite.rebuild(concrete, optimized, name="capuchin_shapes").graph
-        plan = hold_plan(capture.graph_model(optimized, shaped))
-        dtypes, shapes = {}, {}
-        for tid in plan:
-            t = shaped.get_tensor_by_name(tid)
-            dtypes[tid] = t.dtype.name
-            shapes[tid] = None if t.shape.rank is None else tuple(-1 if d is None else d for d in t.shape.as_list())
-        fn = rewrite.rebuild(concrete, rewrite.insert_hold_get(optimized, plan, dtypes, shapes),
-                             name="capuchin_measured_step")
+        fn = passive_step(concrete, args)
         run, func_graph = (lambda: rewrite.call_without_grappler(fn, *args)), fn.graph
     else:
         run, func_graph = (lambda: step(*args)), concrete.graph

@@ -9,11 +9,14 @@ swap time (the paper); a peak over the budget re-plans for a tighter budget (bey
 re-rewritten only when the plan changed, at most once per step and at most `max_replans` times; it is settled after
 `settle_steps` steps without a change.
 
-Safety: the first `protect_steps` guided steps after every plan change run with a host copy of the variables the
-step writes; an out-of-memory error there restores them and retries the step with a tighter plan. Later, the guided
-graph being pinned to one order (schedule.guided_order), the ops before a failing op are exactly the ones that ran:
-an out-of-memory error before the first variable write is retried the same way; after it, the step fails with a
-message saying that updates may be partial, never repeating one. A step that cannot be rewritten runs as plain
+Safety: guided steps run with a host copy of the variables the step writes (by default every step; with
+`protect_steps=N`, the N steps after each plan change); an out-of-memory error restores them and retries the step
+with a tighter plan (the planner's model does not see BFC fragmentation, and copies and prefetches vary in timing
+from step to step, so a plan that fitted can fail later); after `max_retries` tries the step runs in passive mode
+(the measured step's mechanism, which completed under the budget) and the next steps go on with the tightened plan. Without a copy, the guided graph being pinned to one order
+(schedule.guided_order), the ops before a failing op are exactly the ones that ran: an out-of-memory error before the
+first variable write is retried the same way; after it, the step fails with a message saying that updates may be
+partial, never repeating one. A step that cannot be rewritten runs as plain
 TensorFlow, with one warning.
 """
 
@@ -52,12 +55,13 @@ class CapuchinError(RuntimeError):
 class StepRecord:
     """One call of a managed step."""
 
-    phase: str  # "measured", "guided", "plain"
+    phase: str  # "measured", "guided", "plain", "passive" (a guided step that ran out of memory, rerun in passive mode)
     seconds: float
     peak_bytes: int
     late_prefetches: int = 0
     plan_changed: bool = False
     retried: int = 0
+    evictions: int = 0  # prefetched tensors evicted again by the safety net (passive mode during guided steps)
 
 
 @dataclasses.dataclass
@@ -79,6 +83,7 @@ class SignatureState:
     fallback_reason: str | None = None
     from_cache: bool = False
     written: list = dataclasses.field(default_factory=list)  # the variables the step writes
+    passive_fn: Any = None  # the step with passive mode's tensor pool (the last resort after repeated OOM)
     protected_steps: int = 0  # guided steps left that run with a host snapshot of `written` (after a plan change)
 
 
@@ -87,8 +92,8 @@ class ManagedStep:
 
     def __init__(self, tf_fn, *, budget_bytes: int | None, policy: str, link: str | float,
                  policy_options: Mapping[str, Any] | None = None, cache_dir: str | None = None,
-                 feedback: bool = True, max_replans: int = 20, settle_steps: int = 10, max_retries: int = 3,
-                 protect_steps: int = 3, verbose: bool = False):
+                 feedback: bool = True, max_replans: int = 20, settle_steps: int = 10, max_retries: int = 2,
+                 protect_steps: int | None = None, verbose: bool = False):
         self._fn = tf_fn
         self.budget_bytes = budget_bytes
         self.policy = policy
@@ -99,7 +104,7 @@ class ManagedStep:
         self.max_replans = max_replans
         self.settle_steps = settle_steps
         self.max_retries = max_retries
-        self.protect_steps = protect_steps
+        self.protect_steps = protect_steps  # None: every guided step
         self.verbose = verbose
         self._states: dict[str, SignatureState] = {}
 
@@ -220,7 +225,7 @@ class ManagedStep:
         """Rewrites the step for `plan` (or falls back to the plain step, with one warning)."""
         # Even a plan with no decisions is applied: the measured order it pins is the one that fitted.
         state.plan, state.plan_budget = plan, budget
-        state.protected_steps = self.protect_steps
+        state.protected_steps = self.protect_steps or 0
         if self.verbose:
             print(f"capuchin_tf: plan for {budget / 2**20:.1f} MiB: {plan.summary()}", flush=True)
         try:
@@ -260,7 +265,12 @@ class ManagedStep:
     def _guided(self, state: SignatureState, args):
         retried = 0
         while True:
-            snapshot = self._snapshot(state) if state.fn is not None and state.protected_steps > 0 else None
+            if self.verbose and retried:
+                print(f"capuchin_tf: retry {retried}, device memory in use "
+                      f"{tf.config.experimental.get_memory_info(DEVICE)['current'] / 2**20:.1f} MiB, host store "
+                      f"{ops.host_store_stats()}", flush=True)
+            protected = self.protect_steps is None or state.protected_steps > 0
+            snapshot = self._snapshot(state) if state.fn is not None and protected else None
             before = ops.host_store_stats()
             ops.drain_stalls()
             tf.config.experimental.reset_memory_stats(DEVICE)
@@ -269,12 +279,22 @@ class ManagedStep:
                 if state.fn is None:
                     outputs = self._fn(*args)
                 else:
-                    outputs = rewrite.call_without_grappler(state.fn, *args)
+                    # Passive mode stays on as a safety net: an allocation that would fail first evicts tensors
+                    # prefetched too early (their swap-in then runs on demand).
+                    ops.set_passive_mode(True)
+                    try:
+                        outputs = rewrite.call_without_grappler(state.fn, *args)
+                    finally:
+                        ops.set_passive_mode(False)
             except tf.errors.ResourceExhaustedError as e:
                 restored = snapshot is not None and self._restore(state, snapshot)
-                if not (restored or self._may_retry(state, e)) or retried >= self.max_retries:
+                if not (restored or self._may_retry(state, e)):
                     raise self._failure(state, e) from e
                 retried += 1
+                if retried > self.max_retries:
+                    # The last resort: this step in passive mode (the measured step's mechanism, which completed
+                    # under this budget), then back to the tightened plan.
+                    return self._passive(state, args, retried, e)
                 self._tighten(state, args, reason="out of memory")
                 continue
             snapshot = None
@@ -284,11 +304,13 @@ class ManagedStep:
             after = ops.host_store_stats()
             stalls = ops.drain_stalls()
             late = [str(n) for n, k in zip(stalls["name"], stalls["kind"]) if k == 2]
+            early = [str(n) for n, k in zip(stalls["name"], stalls["kind"]) if k == 3]
             record = StepRecord("guided" if state.fn is not None else "plain", seconds, peak,
-                                late_prefetches=after["late_prefetches"] - before["late_prefetches"], retried=retried)
+                                late_prefetches=after["late_prefetches"] - before["late_prefetches"], retried=retried,
+                                evictions=after["guided_evictions"] - before["guided_evictions"])
             state.history.append(record)
             if self.feedback and state.fallback_reason is None:
-                record.plan_changed = self._adjust(state, args, late, peak)
+                record.plan_changed = self._adjust(state, args, late, early, peak)
             state.steps_since_change = 0 if record.plan_changed or retried else state.steps_since_change + 1
             return outputs
 
@@ -318,8 +340,33 @@ class ManagedStep:
 
     def _restore(self, state: SignatureState, snapshot: list) -> bool:
         for v, value in zip(state.written, snapshot):
-            v.assign(value)
+            # Keep a reference to the value while assigning: the assignment then copies into the variable's buffer
+            # instead of adopting the value's, so that restoring does not move the variables around the device.
+            held = tf.constant(value)
+            v.assign(held)
+            del held
         return True
+
+    def _passive(self, state: SignatureState, args, retried: int, error):
+        if self.verbose:
+            print("capuchin_tf: out of memory again; running this step in passive mode; device memory in use "
+                  f"{tf.config.experimental.get_memory_info(DEVICE)['current'] / 2**20:.1f} MiB", flush=True)
+        if state.passive_fn is None:
+            state.passive_fn = profile.passive_step(state.concrete, args)
+        tf.config.experimental.reset_memory_stats(DEVICE)
+        t0 = time.perf_counter()
+        ops.set_passive_mode(True)
+        try:
+            outputs = rewrite.call_without_grappler(state.passive_fn, *args)
+        except tf.errors.ResourceExhaustedError as e:
+            raise self._failure(state, e, passive=True) from error
+        finally:
+            ops.set_passive_mode(False)
+            ops.drain_stalls()
+        state.history.append(StepRecord("passive", time.perf_counter() - t0,
+                                        tf.config.experimental.get_memory_info(DEVICE)["peak"], retried=retried))
+        state.steps_since_change = 0
+        return outputs
 
     def _failing_position(self, state: SignatureState, error) -> int | None:
         m = re.findall(r"\{\{node ([^}]+)\}\}", str(error))
@@ -339,18 +386,20 @@ class ManagedStep:
         pos = self._failing_position(state, error)
         return pos is not None and pos < state.first_write
 
-    def _failure(self, state: SignatureState, error) -> CapuchinError:
+    def _failure(self, state: SignatureState, error, passive: bool = False) -> CapuchinError:
         pos = self._failing_position(state, error)
-        if state.fn is not None and pos is not None and pos >= state.first_write:
-            what = ("after the step had started updating variables: some of this step's updates may have been "
-                    "applied and the step is not retried (retrying would apply them twice)")
+        if passive:
+            what = "even in passive mode (what must stay on the device at once does not fit)"
         elif state.fn is None:
             what = "in the plain TensorFlow step (no plan was needed, or the plan could not be applied)"
+        elif pos is not None and pos >= state.first_write:
+            what = ("after the step had started updating variables: some of this step's updates may have been "
+                    "applied and the step is not retried (retrying would apply them twice)")
         else:
-            what = f"and the plan could not be tightened further (after {self.max_retries} tries)"
-        first = str(error).strip().splitlines()[0][:300]
+            what = "in a guided step whose written variables could not be saved beforehand, so it is not retried"
+        first = [ln for ln in str(error).splitlines() if "OOM when allocating" in ln] or str(error).splitlines()[:1]
         return CapuchinError(f"capuchin_tf: out of memory under a budget of {self.budget_bytes} bytes {what}. "
-                             f"TensorFlow said: {first}")
+                             f"TensorFlow said: {first[0].strip()[:300]}")
 
     def _tighten(self, state: SignatureState, args, reason: str) -> None:
         budget = int((state.plan_budget or self.budget_bytes or state.trace.peak_bytes) * TIGHTEN)
@@ -360,16 +409,18 @@ class ManagedStep:
         state.replans += 1
         self._install(state, args, plan, budget)
 
-    def _adjust(self, state: SignatureState, args, late: list[str], peak: int) -> bool:
+    def _adjust(self, state: SignatureState, args, late: list[str], early: list[str], peak: int) -> bool:
         """Feedback after a guided step; True when the plan changed (and the step was rewritten)."""
         if state.plan is None or state.replans >= self.max_replans:
             return False
         if self.budget_bytes is not None and peak > self.budget_bytes and state.fn is not None:
             self._tighten(state, args, reason=f"peak {peak} over the budget")
             return True
-        if not late:
+        if not late and not early:
             return False
-        plan = move_triggers_earlier(state.plan, state.trace, set(late))
+        # A prefetch evicted again before its use came too early for the memory there: its trigger moves later
+        # (beyond the paper); a late one moves earlier (the paper). Eviction wins when a tensor was both.
+        plan = move_triggers(state.plan, state.trace, earlier=set(late) - set(early), later=set(early))
         if plan is state.plan:
             return False
         state.replans += 1
@@ -377,22 +428,27 @@ class ManagedStep:
         return True
 
 
-def move_triggers_earlier(plan: Plan, trace: AccessTrace, late: set[str]) -> Plan:
-    """The plan with the in-trigger of every late swap moved earlier by 5% of its swap-in time (the paper), to the
-    latest op that started at or before that time and after the evicted-access. Unchanged: the same object."""
+def move_triggers(plan: Plan, trace: AccessTrace, earlier: set[str], later: set[str]) -> Plan:
+    """The plan with the in-trigger of each swap in `earlier` moved earlier, and of each in `later` moved later, by
+    5% of its swap-in time (the paper's step), to the op of the trace that started closest to that time, kept after
+    the evicted-access and before the back-access. Unchanged: the same object."""
     starts = sorted((o.start, o.name) for o in trace.ops)
     changed = False
     decisions = []
     for d in plan.decisions:
-        if isinstance(d, SwapDecision) and d.tensor in late and d.in_trigger is not None:
-            target = d.in_trigger.time - LATE_TRIGGER_STEP * max(d.swap_in_s, 1e-6)
-            floor = d.evicted_access.time
-            candidates = [(s, n) for s, n in starts if floor < s <= target]
-            if candidates:
-                s, n = candidates[-1]
-                if n != d.in_trigger.op:
-                    trigger = dataclasses.replace(d.in_trigger, op=n, time=s, index=-1)
-                    d = dataclasses.replace(d, in_trigger=trigger, reason=d.reason + " (in-trigger moved earlier: late)")
-                    changed = True
+        if isinstance(d, SwapDecision) and d.in_trigger is not None and d.tensor in earlier | later:
+            step = LATE_TRIGGER_STEP * max(d.swap_in_s, 1e-6)
+            lo, hi = d.evicted_access.time, d.back_access.time
+            if d.tensor in earlier:
+                candidates = [(s, n) for s, n in starts if lo < s <= d.in_trigger.time - step]
+                pick = candidates[-1] if candidates else None
+            else:
+                candidates = [(s, n) for s, n in starts if d.in_trigger.time + step <= s < hi]
+                pick = candidates[0] if candidates else None
+            if pick is not None and pick[1] != d.in_trigger.op:
+                direction = "earlier: late" if d.tensor in earlier else "later: evicted before its use"
+                trigger = dataclasses.replace(d.in_trigger, op=pick[1], time=pick[0], index=-1)
+                d = dataclasses.replace(d, in_trigger=trigger, reason=f"{d.reason} (in-trigger moved {direction})")
+                changed = True
         decisions.append(d)
     return dataclasses.replace(plan, decisions=tuple(decisions)) if changed else plan

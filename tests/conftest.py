@@ -43,6 +43,6 @@ def run_on_simulated_device(code: str, limit_mb: int, timeout: float = 300.0, en
     return json.loads(lines[-1])
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def simulated_device():
     return run_on_simulated_device

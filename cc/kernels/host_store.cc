@@ -1,3 +1,4 @@
+#include <algorithm>
 #include "host_store.h"
 
 #include <chrono>
@@ -249,6 +250,20 @@ int64_t HostStore::EvictFor(int64_t bytes_needed) {
       if (e->state == Residency::kIn && e->bytes > 0 && e->device.RefCountIsOne()) evictable.push_back(it->second);
     }
     hold_order_.swap(kept);
+    // Guided execution: tensors a prefetch brought back that their SwapIn has not claimed yet (prefetched too early
+    // for the memory there is). Evicted, their SwapIn swaps them in on demand. Most recently prefetched first: the
+    // one needed last.
+    std::vector<std::shared_ptr<Entry>> prefetched;
+    for (const auto& kv : entries_) {
+      Entry* e = kv.second.get();
+      if (!e->pooled && e->state == Residency::kIn && !e->waiter && !e->released && e->bytes > 0 &&
+          e->device.IsInitialized() && e->device.RefCountIsOne()) {
+        prefetched.push_back(kv.second);
+      }
+    }
+    std::sort(prefetched.begin(), prefetched.end(),
+              [](const std::shared_ptr<Entry>& a, const std::shared_ptr<Entry>& b) { return a->handle > b->handle; });
+    evictable.insert(evictable.end(), prefetched.begin(), prefetched.end());
     for (const auto& e : evictable) {
       if (e->bytes >= bytes_needed && e->bytes <= 2 * bytes_needed) {
         chosen.push_back(e);
@@ -280,6 +295,11 @@ int64_t HostStore::EvictFor(int64_t bytes_needed) {
       drop.push_back(std::move(e->device));
       e->device = Tensor();
       e->state = Residency::kOut;
+      e->prefetch_requested = false;
+      if (!e->pooled) {
+        counters_.guided_evictions++;
+        stalls_.push_back(Stall{start, NowNs(), e->bytes, 3, e->name});
+      }
     }
     if (freed > 0) stalls_.push_back(Stall{start, NowNs(), freed, 0, ""});
     if (freed == 0 && std::getenv("CAPUCHIN_TF_DEBUG_EVICT") != nullptr) {

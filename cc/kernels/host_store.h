@@ -56,6 +56,7 @@ struct HostStoreCounters {
   int64_t passive_evictions = 0;     // tensors passive mode evicted
   int64_t passive_evicted_bytes = 0; // their bytes
   int64_t passive_swap_ins = 0;      // Gets that brought an evicted tensor back
+  int64_t guided_evictions = 0;      // prefetched tensors evicted again (an allocation failed before their SwapIn)
 };
 
 // A time interval the step spent waiting on the host store (removed from the ideal timeline).
@@ -63,8 +64,10 @@ struct Stall {
   int64_t start_ns = 0;  // CLOCK_MONOTONIC
   int64_t end_ns = 0;
   int64_t bytes = 0;
-  int32_t kind = 0;  // 0: passive eviction, 1: a Get brought an evicted tensor back, 2: a SwapIn waited for its copy
-  std::string name;  // the tensor (kinds 1 and 2)
+  // 0: passive eviction, 1: a Get brought an evicted tensor back, 2: a SwapIn waited for its copy, 3: a prefetched
+  // tensor was evicted again before its SwapIn (guided execution's safety net)
+  int32_t kind = 0;
+  std::string name;  // the tensor (kinds 1, 2 and 3)
 };
 
 class HostStore {

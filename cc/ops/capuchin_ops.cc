@@ -200,7 +200,8 @@ REGISTER_OP("Capuchin>DrainStalls")
     .Doc(R"doc(
 Every stall recorded since the last drain (CLOCK_MONOTONIC ns): kind 0 a passive eviction (inside an allocation),
 kind 1 a Get that brought an evicted tensor back, kind 2 a SwapIn that waited for its copy (a late prefetch or an
-on-demand swap-in), with the tensor's name for kinds 1 and 2. Empties the log.
+on-demand swap-in), kind 3 a prefetched tensor evicted again before its SwapIn (an allocation failed), with the
+tensor's name for kinds 1 to 3. Empties the log.
 )doc");
 
 REGISTER_OP("Capuchin>RecordAccess")

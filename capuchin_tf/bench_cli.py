@@ -1,0 +1,264 @@
+"""`python -m capuchin_tf bench`: training steps of a named model under a memory budget, measured (benchmarks.md).
+
+    python -m capuchin_tf bench run --model cnn --batch 128 --budget-mb 117 --policy capuchin --steps 10
+        [--link native|p100] --json out.json
+    python -m capuchin_tf bench equal --model cnn --batch 128 --budget-mb 117 --policy capuchin --steps 5
+        [--link native|p100] [--device-mb 16384] --json out.json
+
+`run` runs one configuration in a fresh process on a simulated device of --budget-mb MiB (design.md): the model's
+training step wrapped in `capuchin_tf.function(memory_budget=budget, policy=..., link=...)`, called --steps times on
+the model's synthetic batch (`--policy tf`: the plain `tf.function`, no decorator). It writes the measured peak,
+persistent bytes, step times (median over the steps after the first, measured, one), losses, a digest of the
+variables, the plan's counts and the run's metadata as JSON. Exit code 0 when every step ran, 1 on out of memory.
+
+`equal` runs plain TensorFlow on a device of --device-mb MiB and the policy under --budget-mb MiB, each in its own
+fresh process, on the same seed and data, and compares them bit for bit (losses and variables). Exit code 0 when the
+budgeted run completed and is bitwise equal to plain TensorFlow, 1 otherwise.
+
+Budgets are MiB (2^20 bytes); a user mistake is exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from capuchin_tf.cli import CliError, register_subcommand
+from capuchin_tf.simulated_device import simulated_device_env
+
+MiB = 1 << 20
+DEFAULT_DEVICE_MB = 16384
+LINKS = ("native", "p100")
+PLAN_COUNTS = ("swapped_tensors", "swapped_bytes", "recomputed_tensors", "recomputed_bytes", "replans", "settled")
+
+
+def run_worker(args: list[str], limit_mb: int) -> dict:
+    """Runs `python -m capuchin_tf bench-worker ...` in a fresh process on a simulated device of `limit_mb` MiB.
+
+    The worker's progress lines go to this process's standard output as they come; returns its JSON result.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "capuchin_tf", "bench-worker", *args, "--result", str(out)]
+        sys.stdout.flush()
+        proc = subprocess.run(cmd, env=simulated_device_env(limit_mb), stderr=subprocess.PIPE, text=True)
+        if not out.exists():
+            raise CliError(f"the worker process failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+# ---- the worker (runs inside the fresh process) ----------------------------------------------------------------------
+def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--budget-mb", type=int, required=True)
+    p.add_argument("--policy", required=True)
+    p.add_argument("--link", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--result", required=True)
+
+
+def _error_line(e: Exception) -> str:
+    """The error's type and the first line of its message that mentions OOM (else its first line)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""]
+    line = next((ln for ln in lines if "OOM" in ln), lines[0])
+    return f"{type(e).__name__}: {line[:400]}"
+
+
+def _machine() -> dict:
+    import os
+    import platform
+
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        memory = None
+    return {"cores": os.cpu_count(), "memory_bytes": memory, "platform": platform.platform(),
+            "python": platform.python_version()}
+
+
+def _run_worker(a: argparse.Namespace) -> int:
+    import datetime
+    import hashlib
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    import capuchin_tf  # installs the allocator wrapper before the first op (the `tf` baseline runs through it too)
+    from capuchin_tf import models
+
+    budget = a.budget_mb * MiB
+    result: dict = {
+        "model": a.model, "batch": a.batch, "policy": a.policy, "link": a.link, "steps": a.steps,
+        "budget_mb": a.budget_mb, "budget_bytes": budget, "tf_version": tf.__version__,
+        "capuchin_tf_version": capuchin_tf.__version__, "date": datetime.date.today().isoformat(),
+        "machine": _machine(), "ok": True, "error": None, "persistent_bytes": None, "peak_bytes": None,
+        "step_peak_bytes": [], "step_s": [], "phases": [], "late_prefetches": [], "losses": [],
+        "median_step_s": None, "samples_per_s": None, "swapped_tensors": 0, "swapped_bytes": 0,
+        "recomputed_tensors": 0, "recomputed_bytes": 0, "replans": 0, "settled": None, "report": None,
+    }
+    try:
+        setup = models.build(a.model, a.batch)
+    except tf.errors.ResourceExhaustedError as e:
+        result.update(ok=False, error=f"the model does not build on this device: {_error_line(e)}", losses_hex=[],
+                      variables_sha256=None)
+        pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
+        return 0
+    result["model_info"] = setup.info
+    result["persistent_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    managed = None
+    if a.policy != "tf":
+        managed = capuchin_tf.function(setup.train_step, memory_budget=budget, policy=a.policy, link=a.link)
+    step = setup.train_step if managed is None else managed
+    try:
+        for i in range(a.steps):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            t0 = time.perf_counter()
+            loss = step(*setup.inputs)
+            seconds = time.perf_counter() - t0
+            peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+            record = next(iter(managed.report().values()))["steps"][-1] if managed is not None else None
+            phase, late = (record["phase"], record["late_prefetches"]) if record else ("plain", 0)
+            result["losses"].append(float(loss))
+            result["step_s"].append(seconds)
+            result["step_peak_bytes"].append(peak)
+            result["phases"].append(phase)
+            result["late_prefetches"].append(late)
+            print(f"  step {i + 1}/{a.steps} ({phase}): {seconds:.2f} s, peak {peak / MiB:.1f} MiB"
+                  + (f", {late} late prefetches" if late else ""), flush=True)
+    except (tf.errors.ResourceExhaustedError, capuchin_tf.CapuchinError) as e:
+        result.update(ok=False, error=_error_line(e))
+        print(f"  step {len(result['losses']) + 1}/{a.steps}: {result['error']}", flush=True)
+    if result["step_peak_bytes"]:
+        result["peak_bytes"] = max(result["step_peak_bytes"])
+    if len(result["step_s"]) > 1:
+        result["median_step_s"] = statistics.median(result["step_s"][1:])
+        result["samples_per_s"] = a.batch / result["median_step_s"]
+    if managed is not None and managed.report():
+        result["report"] = next(iter(managed.report().values()))
+        result.update({k: result["report"][k] for k in PLAN_COUNTS})
+    digest = hashlib.sha256()
+    for v in setup.variables:
+        digest.update(np.asarray(v.numpy()).tobytes())
+    result.update(losses_hex=[float.hex(x) for x in result["losses"]], variables_sha256=digest.hexdigest())
+    pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+# ---- bench run / bench equal -----------------------------------------------------------------------------------------
+def _add_common_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a model name (python -c 'from capuchin_tf import models; "
+                                                    "print(models.describe())')")
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--budget-mb", type=int, required=True, help="device memory and budget, MiB")
+    p.add_argument("--policy", required=True, help="a registered policy (capuchin, swap-only, recompute-only, "
+                                                   "swap-all, checkpoint) or tf (plain TensorFlow, no decorator)")
+    p.add_argument("--steps", type=int, required=True, help="training steps (the first is the measured one)")
+    p.add_argument("--link", default="native", help="link regime: native or p100 (default native)")
+    p.add_argument("--json", required=True, help="where to write the result")
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    _add_common_arguments(sub.add_parser("run", help="one configuration in a fresh process"))
+    equal = sub.add_parser("equal", help="plain TensorFlow with enough memory against the policy under the budget")
+    _add_common_arguments(equal)
+    equal.add_argument("--device-mb", type=int, default=DEFAULT_DEVICE_MB,
+                       help=f"device memory of the plain run, MiB (default {DEFAULT_DEVICE_MB})")
+
+
+def _validate(a: argparse.Namespace) -> None:
+    from capuchin_tf.policy import POLICIES
+
+    if a.batch < 1:
+        raise CliError(f"--batch must be at least 1, got {a.batch}")
+    if a.budget_mb < 1:
+        raise CliError(f"--budget-mb must be at least 1, got {a.budget_mb}")
+    if a.steps < 1:
+        raise CliError(f"--steps must be at least 1, got {a.steps}")
+    if getattr(a, "device_mb", 1) < 1:
+        raise CliError(f"--device-mb must be at least 1, got {a.device_mb}")
+    policies = sorted({*POLICIES, "tf"})
+    if a.policy not in policies:
+        raise CliError(f"unknown policy {a.policy!r}; valid policies: {', '.join(policies)}")
+    if a.link not in LINKS:
+        raise CliError(f"unknown link {a.link!r}; valid links: {', '.join(LINKS)}")
+    if not pathlib.Path(a.json).parent.is_dir():
+        raise CliError(f"cannot write {a.json}: {pathlib.Path(a.json).parent} is not a directory")
+    from capuchin_tf.models import MODELS
+
+    if a.model not in MODELS:
+        raise CliError(f"unknown model {a.model!r}; valid models: {', '.join(MODELS)}")
+
+
+def _worker_args(a: argparse.Namespace, policy: str, budget_mb: int) -> list[str]:
+    return ["--model", a.model, "--batch", str(a.batch), "--budget-mb", str(budget_mb), "--policy", policy,
+            "--link", a.link, "--steps", str(a.steps)]
+
+
+def _write(path: str, data: dict) -> None:
+    try:
+        pathlib.Path(path).write_text(json.dumps(data, indent=1))
+    except OSError as e:
+        raise CliError(f"cannot write {path}: {e}") from None
+
+
+def _summary(r: dict) -> str:
+    if not r["ok"]:
+        return f"failed ({len(r['losses'])} of {r['steps']} steps done): {r['error']}"
+    peak = f"peak {r['peak_bytes'] / MiB:.1f} MiB of {r['budget_bytes'] / MiB:.0f} MiB"
+    speed = (f"median step {r['median_step_s']:.3f} s ({r['samples_per_s']:.1f} samples/s)"
+             if r["median_step_s"] is not None else "no step after the measured one to time")
+    plan = "plain TensorFlow, no plan" if r["policy"] == "tf" else (
+        f"swapped {r['swapped_tensors']} tensors ({r['swapped_bytes'] / MiB:.1f} MiB), recomputed "
+        f"{r['recomputed_tensors']} ({r['recomputed_bytes'] / MiB:.1f} MiB), {r['replans']} re-plans, "
+        f"{'settled' if r['settled'] else 'not settled'}")
+    return f"{peak}, persistent {r['persistent_bytes'] / MiB:.1f} MiB; {speed}; {plan}"
+
+
+def _run(a: argparse.Namespace) -> int:
+    _validate(a)
+    what = f"{a.model}, batch {a.batch}, policy {a.policy}, link {a.link}"
+    if a.action == "run":
+        print(f"bench run: {what}, {a.budget_mb} MiB device, steps: {a.steps} ...", flush=True)
+        result = run_worker(_worker_args(a, a.policy, a.budget_mb), a.budget_mb)
+        _write(a.json, result)
+        print(f"{what}: {_summary(result)}")
+        print(f"  result written to {a.json}")
+        return 0 if result["ok"] else 1
+
+    print(f"[1/2] plain TensorFlow, {a.device_mb} MiB device, steps: {a.steps} ...", flush=True)
+    plain = run_worker(_worker_args(a, "tf", a.device_mb), a.device_mb)
+    if not plain["ok"]:
+        raise CliError(f"plain TensorFlow does not run on {a.device_mb} MiB: {plain['error']} (raise --device-mb)")
+    print(f"[2/2] policy {a.policy}, {a.budget_mb} MiB device, steps: {a.steps} ...", flush=True)
+    managed = run_worker(_worker_args(a, a.policy, a.budget_mb), a.budget_mb)
+    equal = (managed["ok"] and managed["losses_hex"] == plain["losses_hex"]
+             and managed["variables_sha256"] == plain["variables_sha256"])
+    meta = ("model", "batch", "policy", "link", "steps", "budget_mb", "budget_bytes", "tf_version",
+            "capuchin_tf_version", "date", "machine")
+    data = {**{k: managed[k] for k in meta}, "device_mb": a.device_mb, "ok": managed["ok"],
+            "error": managed["error"], "bitwise_equal": equal, "plain_peak_bytes": plain["peak_bytes"],
+            "peak_bytes": managed["peak_bytes"], "persistent_bytes": managed["persistent_bytes"],
+            "plain_median_step_s": plain["median_step_s"], "median_step_s": managed["median_step_s"],
+            "samples_per_s": managed["samples_per_s"], **{k: managed[k] for k in PLAN_COUNTS}, "plain": plain,
+            "managed": managed}
+    _write(a.json, data)
+    print(f"{what}: {_summary(managed)}")
+    print(f"  plain TensorFlow: peak {plain['peak_bytes'] / MiB:.1f} MiB on {a.device_mb} MiB; losses and "
+          f"variables bit-for-bit equal to it: {'yes' if equal else 'NO'}")
+    print(f"  result written to {a.json}")
+    return 0 if equal else 1
+
+
+register_subcommand("bench", _add_arguments, _run,
+                    help="train a named model under a memory budget and measure it (run), or compare it bit for bit "
+                         "with plain TensorFlow (equal)")
+register_subcommand("bench-worker", _add_worker_arguments, _run_worker,
+                    help="(internal) one run of `bench` in a fresh process")

@@ -1,0 +1,126 @@
+"""`capuchin_tf.function`: argument checks, the plain path when nothing needs saving, and training under a budget
+that plain TensorFlow cannot fit, with plain TensorFlow's numbers bit for bit (each budgeted run in a fresh process).
+"""
+
+import hashlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import capuchin_tf
+from capuchin_tf import models
+
+MiB = 1 << 20
+
+
+def digest(variables):
+    h = hashlib.sha256()
+    for v in variables:
+        h.update(np.asarray(v.numpy()).tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"memory_budget": "lots"}, ValueError, "invalid memory budget"),
+    ({"memory_budget": 0}, ValueError, "positive"),
+    ({"memory_budget": "1TiB"}, ValueError, "larger than the device"),
+    ({"policy": "magic"}, ValueError, "unknown policy 'magic'"),
+    ({"link": "pcie"}, ValueError, "link must be one of"),
+    ({"link": -5.0}, ValueError, "link must be one of"),
+    ({"feedback": "yes"}, TypeError, "feedback must be True or False"),
+    ({"max_replans": -1}, ValueError, "max_replans must be a non-negative integer"),
+    ({"plan_cache": 42}, TypeError, "plan_cache must be a directory path"),
+])
+def test_bad_arguments_are_refused_with_a_clear_message(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        capuchin_tf.function(lambda x: x, **kwargs)
+
+
+def test_xla_steps_and_keyword_calls_are_refused():
+    with pytest.raises(ValueError, match="jit_compile"):
+        capuchin_tf.function(tf.function(lambda x: x * 2.0, jit_compile=True))
+    step = capuchin_tf.function(lambda x: x * 2.0)
+    with pytest.raises(TypeError, match="positional arguments only"):
+        step(x=tf.ones([2]))
+
+
+def test_a_budget_string_is_parsed_and_the_default_is_the_device_limit():
+    assert capuchin_tf.function(lambda x: x, memory_budget="1.5GiB").budget_bytes == 3 * 512 * MiB
+    assert capuchin_tf.function(lambda x: x).budget_bytes == int(capuchin_tf.allocator_stats()["bytes_limit"])
+
+
+def test_nothing_to_save_runs_the_plain_step_bit_for_bit():
+    plain = models.build("mlp", 64)
+    expected = [float.hex(float(plain.train_step(*plain.inputs))) for _ in range(3)]
+    setup = models.build("mlp", 64)
+    step = capuchin_tf.function(setup.train_step)
+    got = [float.hex(float(step(*setup.inputs))) for _ in range(3)]
+    assert got == expected and digest(setup.variables) == digest(plain.variables)
+    (report,) = step.report().values()
+    assert [s["phase"] for s in report["steps"]] == ["measured", "plain", "plain"]
+    assert report["swapped_tensors"] == report["recomputed_tensors"] == 0
+
+
+RUN = """
+import hashlib, json
+import numpy as np
+import tensorflow as tf
+import capuchin_tf
+from capuchin_tf import models
+
+setup = models.build("cnn", 128)
+result = {{}}
+try:
+    if "{policy}" == "tf":
+        losses = [setup.train_step(*setup.inputs) for _ in range({steps})]
+    else:
+        step = capuchin_tf.function(setup.train_step, policy="{policy}", link="{link}")
+        losses = [step(*setup.inputs) for _ in range({steps})]
+        (report,) = step.report().values()
+        result["report"] = {{k: v for k, v in report.items() if k != "steps"}}
+        result["peaks"] = [s["peak_bytes"] for s in report["steps"]]
+        result["phases"] = [s["phase"] for s in report["steps"]]
+    result["losses"] = [float.hex(float(x)) for x in losses]
+except tf.errors.ResourceExhaustedError as e:
+    result["oom"] = "OOM when allocating" in str(e)
+h = hashlib.sha256()
+for v in setup.variables:
+    h.update(np.asarray(v.numpy()).tobytes())
+result["digest"] = h.hexdigest()
+print(json.dumps(result))
+"""
+
+# The cnn at batch 128: plain peak about 229 MiB with 4.3 MiB persistent; 139 MiB is persistent + 0.6 x the
+# transient peak. At 0.5 (117 MiB) the step runs within 4 MiB of its floor (the planner predicts 113 MiB) and BFC
+# fragmentation makes guided steps fail now and then (recorded commands, docs/results.md): not for a CI test. Swap-only
+# runs on the native link: on the p100 link its swaps cannot leave the device in time for this model's backward
+# peak, which recomputation can.
+BUDGET_MB, STEPS = 139, 5
+
+
+@pytest.fixture(scope="module")
+def plain_reference(simulated_device):
+    return simulated_device(RUN.format(policy="tf", link="native", steps=STEPS), limit_mb=4096, timeout=600)
+
+
+def test_plain_tensorflow_does_not_fit_the_budget(simulated_device):
+    result = simulated_device(RUN.format(policy="tf", link="native", steps=1), limit_mb=BUDGET_MB, timeout=600)
+    assert result.get("oom") is True
+
+
+@pytest.mark.parametrize("policy,link", [("capuchin", "p100"), ("recompute-only", "p100"), ("swap-only", "native")])
+def test_trains_under_a_budget_plain_tensorflow_cannot_fit_bit_for_bit(simulated_device, plain_reference, policy, link):
+    result = simulated_device(RUN.format(policy=policy, link=link, steps=STEPS), limit_mb=BUDGET_MB, timeout=900)
+    assert "oom" not in result, result
+    assert result["losses"] == plain_reference["losses"]
+    assert result["digest"] == plain_reference["digest"]
+    assert result["phases"][0] == "measured" and set(result["phases"][1:]) == {"guided"}
+    assert max(result["peaks"]) <= BUDGET_MB * MiB
+    report = result["report"]
+    if policy == "recompute-only":
+        assert report["recomputed_tensors"] > 0 and report["swapped_tensors"] == 0
+    elif policy == "swap-only":
+        assert report["swapped_tensors"] > 0 and report["recomputed_tensors"] == 0
+    else:
+        assert report["swapped_tensors"] + report["recomputed_tensors"] > 0
