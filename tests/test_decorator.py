@@ -124,3 +124,51 @@ def test_trains_under_a_budget_plain_tensorflow_cannot_fit_bit_for_bit(simulated
         assert report["swapped_tensors"] > 0 and report["recomputed_tensors"] == 0
     else:
         assert report["swapped_tensors"] + report["recomputed_tensors"] > 0
+
+
+CACHED = """
+import hashlib, json, warnings
+import numpy as np
+import tensorflow as tf
+import capuchin_tf
+from capuchin_tf import models
+
+setup = models.build("cnn", 16)
+if {restore!r}:
+    for v, w in zip(setup.variables, np.load({state!r}, allow_pickle=False).values()):
+        v.assign(w)
+step = capuchin_tf.function(setup.train_step, memory_budget="24MiB", policy="recompute-only", plan_cache={cache!r})
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    losses = [float.hex(float(step(*setup.inputs))) for _ in range(2)]
+np.savez({state!r}, *[v.numpy() for v in setup.variables])
+(report,) = step.report().values()
+h = hashlib.sha256()
+for v in setup.variables:
+    h.update(np.asarray(v.numpy()).tobytes())
+print(json.dumps(dict(losses=losses, phases=[s["phase"] for s in report["steps"]], from_cache=report["from_cache"],
+                      recomputed=report["recomputed_tensors"], digest=h.hexdigest(),
+                      warnings=[str(w.message) for w in caught if "plan cache" in str(w.message)])))
+"""
+
+
+def test_a_cached_plan_skips_the_measured_step_and_a_corrupt_one_is_ignored(simulated_device, tmp_path):
+    plain = models.build("cnn", 16)
+    expected = [float.hex(float(plain.train_step(*plain.inputs))) for _ in range(4)]
+    cache, state = str(tmp_path / "plans"), str(tmp_path / "state.npz")
+
+    first = simulated_device(CACHED.format(restore=False, state=state, cache=cache), limit_mb=4096)
+    assert first["phases"] == ["measured", "guided"] and first["recomputed"] > 0 and not first["from_cache"]
+    assert len(list((tmp_path / "plans").glob("*.json"))) == 1
+
+    # A restarted job (a new process, same graph, signature, budget, policy, link) goes on from the saved state.
+    second = simulated_device(CACHED.format(restore=True, state=state, cache=cache), limit_mb=4096)
+    assert second["from_cache"] and second["phases"] == ["guided", "guided"]
+    assert first["losses"] + second["losses"] == expected and second["digest"] == digest(plain.variables)
+
+    # A corrupt entry: one warning, and the job measures again.
+    (entry,) = (tmp_path / "plans").glob("*.json")
+    entry.write_text("{not json")
+    third = simulated_device(CACHED.format(restore=False, state=state, cache=cache), limit_mb=4096)
+    assert third["phases"] == ["measured", "guided"] and not third["from_cache"]
+    assert len(third["warnings"]) == 1 and "ignoring plan cache entry" in third["warnings"][0]
