@@ -61,6 +61,7 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--result", required=True)
+    p.add_argument("--curve", help="write the last step's device-memory curve (JSON [[s, bytes], ...]) there")
 
 
 def _error_line(e: Exception) -> str:
@@ -120,7 +121,13 @@ def _run_worker(a: argparse.Namespace) -> int:
         for i in range(a.steps):
             tf.config.experimental.reset_memory_stats("CPU:0")
             t0 = time.perf_counter()
-            loss = step(*setup.inputs)
+            if a.curve and i == a.steps - 1:
+                from capuchin_tf.profile import memory_curve
+
+                loss, curve = memory_curve(lambda: step(*setup.inputs))
+                pathlib.Path(a.curve).write_text(json.dumps(curve))
+            else:
+                loss = step(*setup.inputs)
             seconds = time.perf_counter() - t0
             peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
             record = next(iter(managed.report().values()))["steps"][-1] if managed is not None else None
@@ -166,7 +173,9 @@ def _add_common_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    _add_common_arguments(sub.add_parser("run", help="one configuration in a fresh process"))
+    run = sub.add_parser("run", help="one configuration in a fresh process")
+    _add_common_arguments(run)
+    run.add_argument("--curve", help="also write the last step's device-memory curve there (JSON [[s, bytes], ...])")
     equal = sub.add_parser("equal", help="plain TensorFlow with enough memory against the policy under the budget")
     _add_common_arguments(equal)
     equal.add_argument("--device-mb", type=int, default=DEFAULT_DEVICE_MB,
@@ -227,7 +236,8 @@ def _run(a: argparse.Namespace) -> int:
     what = f"{a.model}, batch {a.batch}, policy {a.policy}, link {a.link}"
     if a.action == "run":
         print(f"bench run: {what}, {a.budget_mb} MiB device, steps: {a.steps} ...", flush=True)
-        result = run_worker(_worker_args(a, a.policy, a.budget_mb), a.budget_mb)
+        extra = ["--curve", a.curve] if getattr(a, "curve", None) else []
+        result = run_worker(_worker_args(a, a.policy, a.budget_mb) + extra, a.budget_mb)
         _write(a.json, result)
         print(f"{what}: {_summary(result)}")
         print(f"  result written to {a.json}")

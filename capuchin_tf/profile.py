@@ -159,6 +159,27 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
     return outputs, trace
 
 
+def memory_curve(call):
+    """Runs `call()` under TensorFlow's profiler; returns (its result, the device allocator's bytes in use after each
+    allocation and free, as [(seconds since the first event, bytes)])."""
+    logdir = tempfile.mkdtemp(prefix="capuchin_curve_")
+    try:
+        options = tf.profiler.experimental.ProfilerOptions(host_tracer_level=2, python_tracer_level=0,
+                                                           device_tracer_level=0)
+        tf.profiler.experimental.start(logdir, options=options)
+        try:
+            result = call()
+        finally:
+            tf.profiler.experimental.stop()
+        files = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        _, memory, _ = read_xspace(max(files, key=os.path.getmtime)) if files else ([], [], [])
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+    points = sorted((m.time, m.in_use_after) for m in memory if m.in_use_after >= 0)
+    t0 = points[0][0] if points else 0
+    return result, [((t - t0) / 1e9, b) for t, b in points]
+
+
 def count_flops(concrete) -> int:
     """Floating-point operations of one step, counted from its graph by TensorFlow's v1 profiler (benchmarks.md:
     the p100 link regime divides the step's FLOP rate by 258 FLOP per byte). Ops without a registered count

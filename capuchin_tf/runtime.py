@@ -340,9 +340,12 @@ class ManagedStep:
 
     def _restore(self, state: SignatureState, snapshot: list) -> bool:
         for v, value in zip(state.written, snapshot):
-            # Keep a reference to the value while assigning: the assignment then copies into the variable's buffer
-            # instead of adopting the value's, so that restoring does not move the variables around the device.
-            held = tf.constant(value)
+            # A tensor made from a numpy array can keep the array's (host) memory, and the assignment can adopt it:
+            # the variable would leave the device allocator (seen: ResNet50's 92.7 MiB of variables, then 0.6 MiB
+            # in use). DeepCopy allocates the value on the device first; holding a reference to it while assigning
+            # makes the assignment copy into the variable's own buffer rather than adopt the value's.
+            with tf.device(v.device):
+                held = tf.raw_ops.DeepCopy(x=tf.constant(value))
             v.assign(held)
             del held
         return True

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything capuchin_tf needs on a fresh Debian 12 machine with Python 3.11, then runs the demo or the tests.
 #
-#   bash tools/bootstrap.sh demo     # set up, then run the demo (examples/hand_swapped_mlp.py)
+#   bash tools/bootstrap.sh demo     # set up, then run the demo (examples/train_under_budget.py)
 #   bash tools/bootstrap.sh test     # set up, then run the test suite
 #   bash tools/bootstrap.sh setup    # set up only
 #
@@ -89,7 +89,7 @@ fi
 case "$action" in
   demo)
     say "running the demo"
-    exec "$py" examples/hand_swapped_mlp.py
+    exec "$py" examples/train_under_budget.py
     ;;
   test)
     say "running the tests"
