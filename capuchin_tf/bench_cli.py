@@ -64,13 +64,6 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curve", help="write the last step's device-memory curve (JSON [[s, bytes], ...]) there")
 
 
-def _error_line(e: Exception) -> str:
-    """The error's type and the first line of its message that mentions OOM (else its first line)."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""]
-    line = next((ln for ln in lines if "OOM" in ln), lines[0])
-    return f"{type(e).__name__}: {line[:400]}"
-
-
 def _machine() -> dict:
     import os
     import platform
@@ -85,14 +78,16 @@ def _machine() -> dict:
 
 def _run_worker(a: argparse.Namespace) -> int:
     import datetime
-    import hashlib
     import time
 
-    import numpy as np
     import tensorflow as tf
 
     import capuchin_tf  # installs the allocator wrapper before the first op (the `tf` baseline runs through it too)
     from capuchin_tf import models
+    from capuchin_tf.runtime import oom_line
+
+    def error_line(e: Exception) -> str:
+        return f"{type(e).__name__}: {oom_line(e)}"
 
     budget = a.budget_mb * MiB
     result: dict = {
@@ -107,7 +102,7 @@ def _run_worker(a: argparse.Namespace) -> int:
     try:
         setup = models.build(a.model, a.batch)
     except tf.errors.ResourceExhaustedError as e:
-        result.update(ok=False, error=f"the model does not build on this device: {_error_line(e)}", losses_hex=[],
+        result.update(ok=False, error=f"the model does not build on this device: {error_line(e)}", losses_hex=[],
                       variables_sha256=None)
         pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
         return 0
@@ -140,7 +135,7 @@ def _run_worker(a: argparse.Namespace) -> int:
             print(f"  step {i + 1}/{a.steps} ({phase}): {seconds:.2f} s, peak {peak / MiB:.1f} MiB"
                   + (f", {late} late prefetches" if late else ""), flush=True)
     except (tf.errors.ResourceExhaustedError, capuchin_tf.CapuchinError) as e:
-        result.update(ok=False, error=_error_line(e))
+        result.update(ok=False, error=error_line(e))
         print(f"  step {len(result['losses']) + 1}/{a.steps}: {result['error']}", flush=True)
     if result["step_peak_bytes"]:
         result["peak_bytes"] = max(result["step_peak_bytes"])
@@ -150,10 +145,7 @@ def _run_worker(a: argparse.Namespace) -> int:
     if managed is not None and managed.report():
         result["report"] = next(iter(managed.report().values()))
         result.update({k: result["report"][k] for k in PLAN_COUNTS})
-    digest = hashlib.sha256()
-    for v in setup.variables:
-        digest.update(np.asarray(v.numpy()).tobytes())
-    result.update(losses_hex=[float.hex(x) for x in result["losses"]], variables_sha256=digest.hexdigest())
+    result.update(losses_hex=[float.hex(x) for x in result["losses"]], variables_sha256=setup.variables_sha256())
     pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
     return 0
 

@@ -54,11 +54,7 @@ def concrete_step(fn, args):
     return fn.get_concrete_function(*args)
 
 
-_nonce = itertools.count(1 << 30)
-
-
-def _fresh_nonce() -> int:
-    return next(_nonce)
+_NONCES = itertools.count(1 << 30)  # timeline_step values no other call uses (see optimized_graph)
 
 
 def optimized_graph(concrete, args) -> graph_pb2.GraphDef:
@@ -78,7 +74,7 @@ def optimized_graph(concrete, args) -> graph_pb2.GraphDef:
     old = ctx.function_call_options
     config = config_pb2.ConfigProto()
     config.ParseFromString(old.config_proto_serialized or b"")
-    config.graph_options.timeline_step = _fresh_nonce()
+    config.graph_options.timeline_step = next(_NONCES)
     ctx.function_call_options = context.FunctionCallOptions(executor_type=old.executor_type, config_proto=config)
     ctx.enable_run_metadata()
     try:

@@ -17,9 +17,11 @@ see tools/requirements-bert.txt for how to install it without pulling the CUDA T
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Callable
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 __all__ = ["MODELS", "TIERS", "TrainingSetup", "build", "describe"]
@@ -87,6 +89,13 @@ class TrainingSetup:
     variable_roles: tuple[str, ...] = ()
     # The subset of `variables` the step writes (assigns, assign-adds, resource applies), found in the traced graph.
     written_variables: tuple[tf.Variable, ...] = ()
+
+    def variables_sha256(self) -> str:
+        """sha256 of every variable's bytes, in `variables` order: equal digests mean bit-for-bit equal state."""
+        digest = hashlib.sha256()
+        for v in self.variables:
+            digest.update(np.asarray(v.numpy()).tobytes())
+        return digest.hexdigest()
 
     def variables_by_role(self, role: str) -> tuple[tf.Variable, ...]:
         return tuple(v for v, r in zip(self.variables, self.variable_roles) if r == role)

@@ -100,8 +100,8 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
     """Runs `step(*args)` once as the measured execution. Returns (outputs, AccessTrace).
 
     `step` is a tf.function training step; `args` its inputs (tensors). The step really runs: its updates happen,
-    with the same results as a plain step. With `passive` (the default), the tensors the backward pass reads are held
-    by capuchin_tf's tensor pool and passive mode is on: if an allocation would fail, pooled tensors are evicted to
+    with the same results as a plain step. With `passive` (the default), the step runs as `passive_step` (tensors that wait
+    while memory is allocated are held by capuchin_tf's tensor pool) with passive mode on: if an allocation would fail, pooled tensors are evicted to
     host memory and brought back when read, so the step completes under a device limit it does not fit in; the
     trace is corrected to the ideal timeline and records the evicted bytes (the saving target).
     """

@@ -51,25 +51,18 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result", required=True)
 
 
-def _oom_line(e) -> str:
-    lines = [ln.strip() for ln in e.message.splitlines() if "OOM when allocating" in ln] or [e.message.strip()]
-    return lines[0][:300]
-
-
 def _run_worker(a: argparse.Namespace) -> int:
-    import hashlib
-
-    import numpy as np
     import tensorflow as tf
 
     import capuchin_tf  # noqa: F401  (installs the allocator wrapper before the first op)
     from capuchin_tf import models, profile
+    from capuchin_tf.runtime import oom_line
 
     result = {"mode": a.mode, "ok": True, "error": None, "losses": [], "step_s": []}
     try:
         setup = models.build(a.model, a.batch)
     except tf.errors.ResourceExhaustedError as e:
-        result.update(ok=False, error=f"the model does not build on this device: {_oom_line(e)}")
+        result.update(ok=False, error=f"the model does not build on this device: {oom_line(e)}")
         pathlib.Path(a.result).write_text(json.dumps(result))
         return 0
     result["persistent_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["current"]
@@ -89,11 +82,8 @@ def _run_worker(a: argparse.Namespace) -> int:
             result["losses"].append(float(loss))
             result["step_s"].append(time.perf_counter() - t0)
     except tf.errors.ResourceExhaustedError as e:
-        result.update(ok=False, error=f"ResourceExhaustedError: {_oom_line(e)}")
-    digest = hashlib.sha256()
-    for v in setup.variables:
-        digest.update(np.asarray(v.numpy()).tobytes())
-    result.update(losses_hex=[float.hex(x) for x in result["losses"]], variables_sha256=digest.hexdigest())
+        result.update(ok=False, error=f"ResourceExhaustedError: {oom_line(e)}")
+    result.update(losses_hex=[float.hex(x) for x in result["losses"]], variables_sha256=setup.variables_sha256())
     pathlib.Path(a.result).write_text(json.dumps(result))
     return 0
 

@@ -23,6 +23,7 @@ TensorFlow, with one warning.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 import time
 import warnings
@@ -45,6 +46,13 @@ TIGHTEN = 0.95  # a guided step over budget, or out of memory, re-plans for this
 # The plain step runs unrewritten when the measured step evicted nothing and peaked under this fraction of the budget
 # (the plain executor's own order can peak higher than the measured one: 77 against 68 MiB on the cnn at batch 32).
 NOTHING_TO_SAVE = 0.85
+
+
+def oom_line(error: Exception) -> str:
+    """The line of an error's message that says what could not be allocated (else its first line), at most 300
+    characters: what the CLIs and CapuchinError quote."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()] or [""]
+    return next((ln for ln in lines if "OOM when allocating" in ln), lines[0])[:300]
 
 
 class CapuchinError(RuntimeError):
@@ -175,15 +183,12 @@ class ManagedStep:
         seconds = time.perf_counter() - t0
         state.trace = trace
         state.history.append(StepRecord("measured", seconds, trace.peak_bytes))
-        budget = self.budget_bytes if self.budget_bytes is not None else None
-        self._plan_and_rewrite(state, args, budget)
+        self._plan_and_rewrite(state, args, self.budget_bytes)
         if self.cache is not None and state.plan is not None and state.fallback_reason is None:
             self.cache.store(self._cache_key(state, args), state.plan, extra={"trace": trace.to_json()})
         return outputs
 
     def _cache_key(self, state: SignatureState, args) -> CacheKey:
-        import hashlib
-
         graph = state.concrete.graph.as_graph_def()
         h = hashlib.sha256()
         for node in graph.node:
@@ -400,9 +405,8 @@ class ManagedStep:
                     "applied and the step is not retried (retrying would apply them twice)")
         else:
             what = "in a guided step whose written variables could not be saved beforehand, so it is not retried"
-        first = [ln for ln in str(error).splitlines() if "OOM when allocating" in ln] or str(error).splitlines()[:1]
         return CapuchinError(f"capuchin_tf: out of memory under a budget of {self.budget_bytes} bytes {what}. "
-                             f"TensorFlow said: {first[0].strip()[:300]}")
+                             f"TensorFlow said: {oom_line(error)}")
 
     def _tighten(self, state: SignatureState, args, reason: str) -> None:
         budget = int((state.plan_budget or self.budget_bytes or state.trace.peak_bytes) * TIGHTEN)
