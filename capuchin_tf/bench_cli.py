@@ -2,8 +2,8 @@
 
     python -m capuchin_tf bench run --model cnn --batch 128 --budget-mb 117 --policy capuchin --steps 10
         [--link native|p100] --json out.json
-    python -m capuchin_tf bench equal --model cnn --batch 128 --budget-mb 117 --policy capuchin --steps 5
-        [--link native|p100] [--device-mb 16384] --json out.json
+    python -m capuchin_tf bench equal --model cnn --batch 128 (--budget-mb 117 | --transient-fraction 0.5)
+        --policy capuchin --steps 5 [--link native|p100] [--device-mb 16384] --json out.json
 
 `run` runs one configuration in a fresh process on a simulated device of --budget-mb MiB (design.md): the model's
 training step wrapped in `capuchin_tf.function(memory_budget=budget, policy=..., link=...)`, called --steps times on
@@ -12,8 +12,18 @@ persistent bytes, step times (median over the steps after the first, measured, o
 variables, the plan's counts and the run's metadata as JSON. Exit code 0 when every step ran, 1 on out of memory.
 
 `equal` runs plain TensorFlow on a device of --device-mb MiB and the policy under --budget-mb MiB, each in its own
-fresh process, on the same seed and data, and compares them bit for bit (losses and variables). Exit code 0 when the
-budgeted run completed and is bitwise equal to plain TensorFlow, 1 otherwise.
+fresh process, on the same seed and data, and compares them bit for bit (losses and variables). With
+--transient-fraction F the budget is persistent + F x the plain run's transient peak (its largest step peak), rounded
+up to a MiB (0.5: the protocol's "half the transient peak"). Exit code 0 when the budgeted run completed and is
+bitwise equal to plain TensorFlow, 1 otherwise.
+
+`maxbatch` finds the largest batch that runs under a budget (benchmarks.md): a batch runs when every step finished,
+the peak stayed at or under the budget, and the last 3 steps ran without an out-of-memory error (guided or plain, no
+retry, no passive-mode rescue). It doubles the batch from --start until a batch fails (or --max-batch), then bisects
+down to --resolution; each trial is a `run` in a fresh process, and every trial is written to the JSON.
+
+    python -m capuchin_tf bench maxbatch --model resnet50 --budget-mb 566 --policy capuchin --start 64
+        [--max-batch 1024] [--resolution 8] [--steps 6] [--link native|p100] --json out.json
 
 Budgets are MiB (2^20 bytes); a user mistake is exit code 2.
 """
@@ -28,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 
+from capuchin_tf.budget import fraction_budget_mb
 from capuchin_tf.cli import CliError, register_subcommand
 from capuchin_tf.simulated_device import simulated_device_env
 
@@ -95,7 +106,7 @@ def _run_worker(a: argparse.Namespace) -> int:
         "budget_mb": a.budget_mb, "budget_bytes": budget, "tf_version": tf.__version__,
         "capuchin_tf_version": capuchin_tf.__version__, "date": datetime.date.today().isoformat(),
         "machine": _machine(), "ok": True, "error": None, "persistent_bytes": None, "peak_bytes": None,
-        "step_peak_bytes": [], "step_s": [], "phases": [], "late_prefetches": [], "losses": [],
+        "step_peak_bytes": [], "step_s": [], "phases": [], "late_prefetches": [], "retries": [], "losses": [],
         "median_step_s": None, "samples_per_s": None, "swapped_tensors": 0, "swapped_bytes": 0,
         "recomputed_tensors": 0, "recomputed_bytes": 0, "replans": 0, "settled": None, "report": None,
     }
@@ -127,13 +138,16 @@ def _run_worker(a: argparse.Namespace) -> int:
             peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
             record = next(iter(managed.report().values()))["steps"][-1] if managed is not None else None
             phase, late = (record["phase"], record["late_prefetches"]) if record else ("plain", 0)
+            evicted = record.get("passive_evicted_bytes", 0) if record and phase == "guided" else 0
             result["losses"].append(float(loss))
             result["step_s"].append(seconds)
             result["step_peak_bytes"].append(peak)
             result["phases"].append(phase)
             result["late_prefetches"].append(late)
+            result["retries"].append(record["retried"] if record else 0)
             print(f"  step {i + 1}/{a.steps} ({phase}): {seconds:.2f} s, peak {peak / MiB:.1f} MiB"
-                  + (f", {late} late prefetches" if late else ""), flush=True)
+                  + (f", {late} late prefetches" if late else "")
+                  + (f", {evicted / MiB:.1f} MiB evicted on demand" if evicted else ""), flush=True)
     except (tf.errors.ResourceExhaustedError, capuchin_tf.CapuchinError) as e:
         result.update(ok=False, error=error_line(e))
         print(f"  step {len(result['losses']) + 1}/{a.steps}: {result['error']}", flush=True)
@@ -151,16 +165,87 @@ def _run_worker(a: argparse.Namespace) -> int:
 
 
 # ---- bench run / bench equal -----------------------------------------------------------------------------------------
-def _add_common_arguments(p: argparse.ArgumentParser) -> None:
+def _add_common_arguments(p: argparse.ArgumentParser, fraction: bool = False) -> None:
     p.add_argument("--model", required=True, help="a model name (python -c 'from capuchin_tf import models; "
                                                     "print(models.describe())')")
     p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--budget-mb", type=int, required=True, help="device memory and budget, MiB")
+    if fraction:
+        budget = p.add_mutually_exclusive_group(required=True)
+        budget.add_argument("--budget-mb", type=int, help="device memory and budget, MiB")
+        budget.add_argument("--transient-fraction", type=float,
+                            help="budget as persistent + this fraction of the plain run's transient peak (0.5: the "
+                                 "protocol's 'half the transient peak'), rounded up to a MiB")
+    else:
+        p.add_argument("--budget-mb", type=int, required=True, help="device memory and budget, MiB")
     p.add_argument("--policy", required=True, help="a registered policy (capuchin, swap-only, recompute-only, "
                                                    "swap-all, checkpoint) or tf (plain TensorFlow, no decorator)")
     p.add_argument("--steps", type=int, required=True, help="training steps (the first is the measured one)")
     p.add_argument("--link", default="native", help="link regime: native or p100 (default native)")
     p.add_argument("--json", required=True, help="where to write the result")
+
+
+def batch_runs(r: dict, budget_bytes: int, clean_steps: int = 3) -> bool:
+    """benchmarks.md: a batch runs when the steps finished under the budget and the last `clean_steps` ran without
+    an out-of-memory error (not a retry, not a step rescued by passive mode)."""
+    if not r["ok"] or r["peak_bytes"] is None or r["peak_bytes"] > budget_bytes or len(r["phases"]) < clean_steps + 1:
+        return False
+    tail = list(zip(r["phases"], r["retries"]))[-clean_steps:]
+    return all(phase in ("guided", "plain") and retries == 0 for phase, retries in tail)
+
+
+def _maxbatch(a: argparse.Namespace) -> int:
+    if a.start < 1 or a.max_batch < a.start or a.resolution < 1:
+        raise CliError("need 1 <= --start <= --max-batch and --resolution >= 1")
+    if a.steps < 4:
+        raise CliError("--steps must be at least 4 (the measured step and 3 clean steps)")
+    budget = a.budget_mb * MiB
+    trials: list[dict] = []
+    data = {"model": a.model, "policy": a.policy, "link": a.link, "budget_mb": a.budget_mb, "budget_bytes": budget,
+            "steps": a.steps, "start": a.start, "max_batch": a.max_batch, "resolution": a.resolution,
+            "max_batch_found": None, "first_failing_batch": None, "trials": trials}
+
+    def trial(batch: int) -> bool:
+        print(f"  batch {batch}: {a.steps} steps ...", flush=True)
+        args = ["--model", a.model, "--batch", str(batch), "--budget-mb", str(a.budget_mb), "--policy", a.policy,
+                "--link", a.link, "--steps", str(a.steps)]
+        r = run_worker(args, a.budget_mb)
+        runs = batch_runs(r, budget)
+        r.pop("report", None)
+        trials.append({"batch": batch, "runs": runs, **{k: r.get(k) for k in (
+            "ok", "error", "peak_bytes", "persistent_bytes", "phases", "retries", "step_s", "step_peak_bytes",
+            "median_step_s", "samples_per_s", "swapped_tensors", "swapped_bytes", "recomputed_tensors",
+            "recomputed_bytes", "replans", "date", "machine", "tf_version")}})
+        print(f"  batch {batch}: {'runs' if runs else 'does not run'} ({_summary(r)})", flush=True)
+        _write(a.json, data)
+        return runs
+
+    lo, hi = None, None
+    batch = a.start
+    while batch <= a.max_batch:
+        if trial(batch):
+            lo = batch
+            batch *= 2
+        else:
+            hi = batch
+            break
+    if lo is not None and hi is None and lo < a.max_batch and lo * 2 > a.max_batch:
+        if trial(a.max_batch):
+            lo = a.max_batch
+        else:
+            hi = a.max_batch
+    while lo is not None and hi is not None and hi - lo > a.resolution:
+        mid = (lo + hi) // 2
+        if trial(mid):
+            lo = mid
+        else:
+            hi = mid
+    data.update(max_batch_found=lo, first_failing_batch=hi)
+    _write(a.json, data)
+    found = "none (the start batch does not run)" if lo is None else str(lo)
+    print(f"{a.model}, policy {a.policy}, link {a.link}, {a.budget_mb} MiB: largest batch that runs {found}"
+          + (f"; batch {hi} does not" if hi is not None else f" (the search stopped at --max-batch {a.max_batch})"))
+    print(f"  result written to {a.json}")
+    return 0 if lo is not None else 1
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -169,9 +254,21 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     _add_common_arguments(run)
     run.add_argument("--curve", help="also write the last step's device-memory curve there (JSON [[s, bytes], ...])")
     equal = sub.add_parser("equal", help="plain TensorFlow with enough memory against the policy under the budget")
-    _add_common_arguments(equal)
+    _add_common_arguments(equal, fraction=True)
     equal.add_argument("--device-mb", type=int, default=DEFAULT_DEVICE_MB,
                        help=f"device memory of the plain run, MiB (default {DEFAULT_DEVICE_MB})")
+    maxbatch = sub.add_parser("maxbatch", help="the largest batch that runs under the budget")
+    maxbatch.add_argument("--model", required=True)
+    maxbatch.add_argument("--budget-mb", type=int, required=True, help="device memory and budget, MiB")
+    maxbatch.add_argument("--policy", required=True)
+    maxbatch.add_argument("--link", default="native", help="link regime: native or p100 (default native)")
+    maxbatch.add_argument("--start", type=int, required=True, help="the first batch tried")
+    maxbatch.add_argument("--max-batch", type=int, default=4096, help="the largest batch tried (default 4096)")
+    maxbatch.add_argument("--resolution", type=int, default=8,
+                          help="stop bisecting when the runs/does-not-run gap is this small (default 8)")
+    maxbatch.add_argument("--steps", type=int, default=6, help="steps per trial (default 6; the last 3 must be "
+                                                                "clean)")
+    maxbatch.add_argument("--json", required=True, help="where to write the result")
 
 
 def _validate(a: argparse.Namespace) -> None:
@@ -179,8 +276,11 @@ def _validate(a: argparse.Namespace) -> None:
 
     if a.batch < 1:
         raise CliError(f"--batch must be at least 1, got {a.batch}")
-    if a.budget_mb < 1:
+    if a.budget_mb is not None and a.budget_mb < 1:
         raise CliError(f"--budget-mb must be at least 1, got {a.budget_mb}")
+    fraction = getattr(a, "transient_fraction", None)
+    if fraction is not None and not 0.0 < fraction <= 1.0:
+        raise CliError(f"--transient-fraction must be in (0, 1], got {fraction}")
     if a.steps < 1:
         raise CliError(f"--steps must be at least 1, got {a.steps}")
     if getattr(a, "device_mb", 1) < 1:
@@ -224,6 +324,11 @@ def _summary(r: dict) -> str:
 
 
 def _run(a: argparse.Namespace) -> int:
+    if a.action == "maxbatch":
+        a.batch = a.start
+        _validate(a)
+        print(f"bench maxbatch: {a.model}, policy {a.policy}, link {a.link}, {a.budget_mb} MiB device ...", flush=True)
+        return _maxbatch(a)
     _validate(a)
     what = f"{a.model}, batch {a.batch}, policy {a.policy}, link {a.link}"
     if a.action == "run":
@@ -239,13 +344,18 @@ def _run(a: argparse.Namespace) -> int:
     plain = run_worker(_worker_args(a, "tf", a.device_mb), a.device_mb)
     if not plain["ok"]:
         raise CliError(f"plain TensorFlow does not run on {a.device_mb} MiB: {plain['error']} (raise --device-mb)")
+    if a.transient_fraction is not None:
+        a.budget_mb = fraction_budget_mb(plain["persistent_bytes"], plain["peak_bytes"], a.transient_fraction)
+        print(f"  plain peak {plain['peak_bytes'] / MiB:.1f} MiB, persistent {plain['persistent_bytes'] / MiB:.1f} "
+              f"MiB: budget {a.budget_mb} MiB (persistent + {a.transient_fraction:g} x transient)", flush=True)
     print(f"[2/2] policy {a.policy}, {a.budget_mb} MiB device, steps: {a.steps} ...", flush=True)
     managed = run_worker(_worker_args(a, a.policy, a.budget_mb), a.budget_mb)
     equal = (managed["ok"] and managed["losses_hex"] == plain["losses_hex"]
              and managed["variables_sha256"] == plain["variables_sha256"])
     meta = ("model", "batch", "policy", "link", "steps", "budget_mb", "budget_bytes", "tf_version",
             "capuchin_tf_version", "date", "machine")
-    data = {**{k: managed[k] for k in meta}, "device_mb": a.device_mb, "ok": managed["ok"],
+    data = {**{k: managed[k] for k in meta}, "device_mb": a.device_mb,
+            "transient_fraction": a.transient_fraction, "ok": managed["ok"],
             "error": managed["error"], "bitwise_equal": equal, "plain_peak_bytes": plain["peak_bytes"],
             "peak_bytes": managed["peak_bytes"], "persistent_bytes": managed["persistent_bytes"],
             "plain_median_step_s": plain["median_step_s"], "median_step_s": managed["median_step_s"],
@@ -260,7 +370,7 @@ def _run(a: argparse.Namespace) -> int:
 
 
 register_subcommand("bench", _add_arguments, _run,
-                    help="train a named model under a memory budget and measure it (run), or compare it bit for bit "
-                         "with plain TensorFlow (equal)")
+                    help="train a named model under a memory budget and measure it (run), compare it bit for bit "
+                         "with plain TensorFlow (equal), or find the largest batch that runs (maxbatch)")
 register_subcommand("bench-worker", _add_worker_arguments, _run_worker,
                     help="(internal) one run of `bench` in a fresh process")

@@ -78,3 +78,13 @@ def format_bytes(n: int) -> str:
     power = min((abs(n).bit_length() - 1) // 10, len(_BINARY_NAMES) - 1)
     value = n / (1 << (10 * power))
     return f"{value:.2f} {_BINARY_NAMES[power]}" if abs(value) < 10 else f"{value:.1f} {_BINARY_NAMES[power]}"
+
+
+def fraction_budget_mb(persistent_bytes: int, peak_bytes: int, fraction: float) -> int:
+    """The protocol's budget "persistent + fraction x transient peak" (benchmarks.md; 0.5 is "half the transient
+    peak"), in whole MiB, rounded up: what `--transient-fraction` turns into `--budget-mb`."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"the transient fraction must be in (0, 1], got {fraction!r}")
+    if persistent_bytes < 0 or peak_bytes < persistent_bytes:
+        raise ValueError(f"need 0 <= persistent ({persistent_bytes}) <= peak ({peak_bytes}) bytes")
+    return -(-int(persistent_bytes + fraction * (peak_bytes - persistent_bytes)) // (1 << 20))

@@ -79,20 +79,30 @@ def _anchor() -> int:
 
 def passive_step(concrete, args):
     """The step with passive mode's tensor pool: its optimized graph (obtained without running it) with every tensor
-    that waits while memory is allocated handed to the pool (passive.hold_plan, rewrite.insert_hold_get). Run it with
+    that waits while memory is allocated handed to the pool (see `pooled`). Run it with
     `rewrite.call_without_grappler` and passive mode on: it completes under a limit the plain step does not fit, as
     long as what is not pooled fits, with the plain step's results bit for bit."""
     optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
-    # Static shapes of every tensor of the optimized graph (Grappler's new nodes included): imported as is.
-    shaped = rewrite.rebuild(concrete, optimized, name="capuchin_shapes").graph
-    plan = hold_plan(capture.graph_model(optimized, shaped))
+    return rewrite.rebuild(concrete, pooled(concrete, optimized), name="capuchin_passive_step")
+
+
+def pooled(concrete, graph_def):
+    """`graph_def` (the step's optimized graph, rewritten or not) with every tensor that waits while memory is
+    allocated handed to the pool (passive.hold_plan, rewrite.insert_hold_get): under passive mode the allocator can
+    evict any of them on demand."""
+    # Static shapes of every tensor of the graph (Grappler's and capuchin_tf's new nodes included): imported as is.
+    shaped = rewrite.rebuild(concrete, graph_def, name="capuchin_shapes").graph
+    graph = capture.graph_model(graph_def, shaped)
+    # Tensors a plan swaps are the plan's: their swap-out must read them directly (through a Get it would run when
+    # the Get's gate says, and the pool would keep the tensor on the device until then).
+    plan = {tid: reads for tid, reads in hold_plan(graph).items()
+            if not any(graph.ops[c].type == "Capuchin>SwapOut" for c in graph.tensors[tid].consumers)}
     dtypes, shapes = {}, {}
     for tid in plan:
         t = shaped.get_tensor_by_name(tid)
         dtypes[tid] = t.dtype.name
         shapes[tid] = None if t.shape.rank is None else tuple(-1 if d is None else d for d in t.shape.as_list())
-    return rewrite.rebuild(concrete, rewrite.insert_hold_get(optimized, plan, dtypes, shapes),
-                           name="capuchin_passive_step")
+    return rewrite.insert_hold_get(graph_def, plan, dtypes, shapes)
 
 
 def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None = None, meta: dict | None = None,

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 
+from capuchin_tf.budget import fraction_budget_mb
 from capuchin_tf.cli import CliError, register_subcommand
 from capuchin_tf.simulated_device import simulated_device_env
 
@@ -123,7 +124,7 @@ def _run(a: argparse.Namespace) -> int:
         raise CliError(f"the plain step does not fit {a.device_mb} MiB: {plain['error']} (raise --device-mb)")
     if a.transient_fraction is not None:
         persistent, peak = plain["persistent_bytes"], plain["peaks"][0]
-        a.budget_mb = -(-int(persistent + a.transient_fraction * (peak - persistent)) // MiB)
+        a.budget_mb = fraction_budget_mb(persistent, peak, a.transient_fraction)
         print(f"  peak {peak / MiB:.1f} MiB, persistent {persistent / MiB:.1f} MiB: budget {a.budget_mb} MiB "
               f"(persistent + {a.transient_fraction:g} x transient)", flush=True)
     limit = a.budget_mb or a.device_mb

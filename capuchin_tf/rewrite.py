@@ -202,10 +202,11 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
 
         P --t--> E ...                    P --t--> E ...
           \----> B                          \--> capuchin/swap_out/t --h--> capuchin/prefetch/t --h--> capuchin/swap_in/t --t'--> B
-                                            ^ (ctrl: E)                       ^ (ctrl: T)
+                                            ^ (ctrl: E)                       ^ (ctrl: T)            ^ (ctrl: op before B)
     The swap-out runs once E is done and frees the device buffer when its copy ends; the prefetch starts the copy
-    back when T is done; the swap-in hands the tensor to B and every later reader (it waits only if the prefetch is
-    late, and counts it). Without an in-trigger (on demand) there is no prefetch and the swap-in is gated on the op
+    back when T is done; the swap-in, gated on the op just before B, hands the tensor to B and every later reader
+    (it waits only if the prefetch is late, and counts it). Without an in-trigger (on demand) there is no prefetch
+    and the swap-in is gated on the op
     that ran just before B in the measured step.
 
     A recomputation of t from sources S by replaying ops r1..rk:
@@ -273,7 +274,10 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
         if trigger is not None:
             prefetch = add(f"capuchin/prefetch/{key}", "Capuchin>Prefetch", [handle, f"^{trigger}"],
                            producer.device)
-            swap_in_inputs = [prefetch.name]
+            # Gated like an on-demand swap-in too: it runs when the back-access is about to, so a swap-in that waits
+            # is a prefetch that really came late (without the gate it ran right after the prefetch and always
+            # waited: every prefetch counted as late).
+            swap_in_inputs = [prefetch.name, *gate_before(back)]
         else:
             swap_in_inputs = [handle, *gate_before(back)]
         swap_in = add(f"capuchin/swap_in/{key}", "Capuchin>SwapIn", swap_in_inputs, producer.device)

@@ -34,14 +34,14 @@ import tensorflow as tf
 
 from capuchin_tf import capture, ops, profile, rewrite
 from capuchin_tf.device_model import DeviceModel
-from capuchin_tf.plan import Plan, SwapDecision
+from capuchin_tf.feedback import move_triggers
+from capuchin_tf.plan import Plan
 from capuchin_tf.plan_cache import CacheKey, PlanCache
 from capuchin_tf.policy import make_plan
 from capuchin_tf.schedule import guided_order, is_variable_writer
 from capuchin_tf.trace import AccessTrace
 
 DEVICE = "CPU:0"
-LATE_TRIGGER_STEP = 0.05  # a late prefetch's in-trigger moves earlier by this fraction of its swap time (the paper)
 TIGHTEN = 0.95  # a guided step over budget, or out of memory, re-plans for this fraction of the budget in use
 # The plain step runs unrewritten when the measured step evicted nothing and peaked under this fraction of the budget
 # (the plain executor's own order can peak higher than the measured one: 77 against 68 MiB on the cnn at batch 32).
@@ -67,9 +67,12 @@ class StepRecord:
     seconds: float
     peak_bytes: int
     late_prefetches: int = 0
+    late_wait_s: float = 0.0  # total time swap-ins waited for their copies
     plan_changed: bool = False
     retried: int = 0
     evictions: int = 0  # prefetched tensors evicted again by the safety net (passive mode during guided steps)
+    passive_evictions: int = 0  # pooled tensors the safety net evicted on demand (what the plan did not save)
+    passive_evicted_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -92,6 +95,10 @@ class SignatureState:
     from_cache: bool = False
     written: list = dataclasses.field(default_factory=list)  # the variables the step writes
     passive_fn: Any = None  # the step with passive mode's tensor pool (the last resort after repeated OOM)
+    last_stalls: dict | None = None  # the last guided step's stall log (ops.drain_stalls)
+    # How much faster guided steps compute than the measured step's trace says: trace step time over the fastest
+    # guided step's time without its waits for copies (recomputation included, so an underestimate).
+    speedup: float = 1.0
     protected_steps: int = 0  # guided steps left that run with a host snapshot of `written` (after a plan change)
 
 
@@ -101,7 +108,7 @@ class ManagedStep:
     def __init__(self, tf_fn, *, budget_bytes: int | None, policy: str, link: str | float,
                  policy_options: Mapping[str, Any] | None = None, cache_dir: str | None = None,
                  feedback: bool = True, max_replans: int = 20, settle_steps: int = 10, max_retries: int = 2,
-                 protect_steps: int | None = None, verbose: bool = False):
+                 protect_steps: int | None = None, headroom: float = 0.0, verbose: bool = False):
         self._fn = tf_fn
         self.budget_bytes = budget_bytes
         self.policy = policy
@@ -113,6 +120,7 @@ class ManagedStep:
         self.settle_steps = settle_steps
         self.max_retries = max_retries
         self.protect_steps = protect_steps  # None: every guided step
+        self.headroom = headroom  # fraction of the budget above the persistent bytes that the first plan leaves free
         self.verbose = verbose
         self._states: dict[str, SignatureState] = {}
 
@@ -142,6 +150,7 @@ class ManagedStep:
                 "settled": st.steps_since_change >= self.settle_steps,
                 "fallback_reason": st.fallback_reason,
                 "from_cache": st.from_cache,
+                "speedup": st.speedup,
                 "steps": [dataclasses.asdict(r) for r in st.history],
             }
         return out
@@ -167,12 +176,19 @@ class ManagedStep:
             meta["flops"] = profile.count_flops(concrete)
         return meta
 
-    def _device_model(self, trace: AccessTrace) -> DeviceModel:
+    def _device_model(self, trace: AccessTrace, state: SignatureState | None = None) -> DeviceModel:
+        """The link model the planner works with, on the trace's clock; also sets the host store's link emulation.
+
+        The measured step runs slower than a guided one (the profiler, the pool's evictions): the trace's clock is
+        `speedup` times slower than the guided steps' (measured after each guided step). The plan keeps the trace's
+        ratio of compute to transfer; the emulated link runs `speedup` times faster than the planner's, so that at
+        run time the ratio is the same (for p100: the step's FLOP count over its real compute time, per byte)."""
         model = DeviceModel.from_link(self.link, trace)
+        speedup = state.speedup if state is not None else 1.0
         if self.link == "native":
             ops.set_link_bandwidth(0.0)
         else:
-            ops.set_link_bandwidth(model.d2h_bytes_per_s, model.h2d_bytes_per_s)
+            ops.set_link_bandwidth(model.d2h_bytes_per_s * speedup, model.h2d_bytes_per_s * speedup)
         return model
 
     def _measured(self, state: SignatureState, args):
@@ -183,7 +199,7 @@ class ManagedStep:
         seconds = time.perf_counter() - t0
         state.trace = trace
         state.history.append(StepRecord("measured", seconds, trace.peak_bytes))
-        self._plan_and_rewrite(state, args, self.budget_bytes)
+        self._plan_and_rewrite(state, args, self._plan_budget(trace))
         if self.cache is not None and state.plan is not None and state.fallback_reason is None:
             self.cache.store(self._cache_key(state, args), state.plan, extra={"trace": trace.to_json()})
         return outputs
@@ -212,15 +228,20 @@ class ManagedStep:
                           RuntimeWarning, stacklevel=3)
             return False
         state.trace, state.from_cache = trace, True
-        self._device_model(trace)
+        self._device_model(trace, state)
         self._install(state, args, plan, self.budget_bytes or 0)
         return state.fallback_reason is None
 
     # ---- planning and rewriting --------------------------------------------------------------------------------
+    def _plan_budget(self, trace: AccessTrace) -> int | None:
+        if self.budget_bytes is None:
+            return None
+        return int(self.budget_bytes - self.headroom * max(self.budget_bytes - trace.persistent_bytes, 0))
+
     def _plan_and_rewrite(self, state: SignatureState, args, budget: int | None) -> None:
         trace = state.trace
-        device_model = self._device_model(trace)
-        if budget is None or (trace.evicted_bytes == 0 and trace.peak_bytes <= NOTHING_TO_SAVE * budget):
+        device_model = self._device_model(trace, state)
+        if budget is None or (trace.evicted_bytes == 0 and trace.peak_bytes <= NOTHING_TO_SAVE * self.budget_bytes):
             state.plan, state.plan_budget, state.fn = None, budget or 0, None  # nothing to save: run the plain step
             return
         plan = make_plan(trace, budget, self.policy, device_model, **self.policy_options)
@@ -257,6 +278,10 @@ class ManagedStep:
             dtypes = {t: info[0] for t, info in state.tensor_info.items()}
             shapes = {t: info[1] for t, info in state.tensor_info.items()}
             graph_def = rewrite.apply_plan(state.optimized, plan, state.trace, dtypes, shapes)
+            # Beyond the plan, every tensor that still waits across other work goes to the pool, as in the measured
+            # step: what the plan did not foresee (BFC fragmentation, a copy's timing) is evicted on demand instead
+            # of failing the step.
+            graph_def = profile.pooled(state.concrete, graph_def)
             state.fn = rewrite.rebuild(state.concrete, graph_def, name="capuchin_guided_step")
         except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
             self._fall_back(state, f"the plan could not be applied: {e}")
@@ -284,8 +309,8 @@ class ManagedStep:
                 if state.fn is None:
                     outputs = self._fn(*args)
                 else:
-                    # Passive mode stays on as a safety net: an allocation that would fail first evicts tensors
-                    # prefetched too early (their swap-in then runs on demand).
+                    # Passive mode stays on as a safety net: an allocation that would fail first evicts pooled
+                    # tensors and prefetched tensors their swap-in has not claimed (both come back on demand).
                     ops.set_passive_mode(True)
                     try:
                         outputs = rewrite.call_without_grappler(state.fn, *args)
@@ -308,12 +333,26 @@ class ManagedStep:
             peak = tf.config.experimental.get_memory_info(DEVICE)["peak"]
             after = ops.host_store_stats()
             stalls = ops.drain_stalls()
-            late = [str(n) for n, k in zip(stalls["name"], stalls["kind"]) if k == 2]
+            late: dict[str, float] = {}  # tensor -> how long its swap-in waited
+            for n, k, b, e in zip(stalls["name"], stalls["kind"], stalls["start_ns"], stalls["end_ns"]):
+                if k == 2:
+                    late[str(n)] = late.get(str(n), 0.0) + (int(e) - int(b)) / 1e9
+            state.last_stalls = stalls
             early = [str(n) for n, k in zip(stalls["name"], stalls["kind"]) if k == 3]
             record = StepRecord("guided" if state.fn is not None else "plain", seconds, peak,
                                 late_prefetches=after["late_prefetches"] - before["late_prefetches"], retried=retried,
-                                evictions=after["guided_evictions"] - before["guided_evictions"])
+                                late_wait_s=sum(late.values()),
+                                evictions=after["guided_evictions"] - before["guided_evictions"],
+                                passive_evictions=after["passive_evictions"] - before["passive_evictions"],
+                                passive_evicted_bytes=after["passive_evicted_bytes"] - before["passive_evicted_bytes"])
             state.history.append(record)
+            waited = sum(int(e) - int(b) for e, b, k in zip(stalls["end_ns"], stalls["start_ns"], stalls["kind"])
+                         if k in (0, 1, 2)) / 1e9
+            if state.fn is not None and not retried and seconds - waited > 0 and state.trace.step_time > 0:
+                speedup = max(1.0, state.trace.step_time / (seconds - waited))
+                if speedup > state.speedup:
+                    state.speedup = speedup
+                    self._device_model(state.trace, state)  # the emulated link follows
             if self.feedback and state.fallback_reason is None:
                 record.plan_changed = self._adjust(state, args, late, early, peak)
             state.steps_since_change = 0 if record.plan_changed or retried else state.steps_since_change + 1
@@ -412,11 +451,12 @@ class ManagedStep:
         budget = int((state.plan_budget or self.budget_bytes or state.trace.peak_bytes) * TIGHTEN)
         if self.verbose:
             print(f"capuchin_tf: {reason}; re-planning for {budget} bytes", flush=True)
-        plan = make_plan(state.trace, budget, self.policy, self._device_model(state.trace), **self.policy_options)
+        plan = make_plan(state.trace, budget, self.policy, self._device_model(state.trace, state),
+                         **self.policy_options)
         state.replans += 1
         self._install(state, args, plan, budget)
 
-    def _adjust(self, state: SignatureState, args, late: list[str], early: list[str], peak: int) -> bool:
+    def _adjust(self, state: SignatureState, args, late: Mapping[str, float], early: list[str], peak: int) -> bool:
         """Feedback after a guided step; True when the plan changed (and the step was rewritten)."""
         if state.plan is None or state.replans >= self.max_replans:
             return False
@@ -427,35 +467,10 @@ class ManagedStep:
             return False
         # A prefetch evicted again before its use came too early for the memory there: its trigger moves later
         # (beyond the paper); a late one moves earlier (the paper). Eviction wins when a tensor was both.
-        plan = move_triggers(state.plan, state.trace, earlier=set(late) - set(early), later=set(early))
+        plan = move_triggers(state.plan, state.trace, earlier={t: w for t, w in late.items() if t not in early},
+                             later=set(early))
         if plan is state.plan:
             return False
         state.replans += 1
         self._install(state, args, plan, state.plan_budget)
         return True
-
-
-def move_triggers(plan: Plan, trace: AccessTrace, earlier: set[str], later: set[str]) -> Plan:
-    """The plan with the in-trigger of each swap in `earlier` moved earlier, and of each in `later` moved later, by
-    5% of its swap-in time (the paper's step), to the op of the trace that started closest to that time, kept after
-    the evicted-access and before the back-access. Unchanged: the same object."""
-    starts = sorted((o.start, o.name) for o in trace.ops)
-    changed = False
-    decisions = []
-    for d in plan.decisions:
-        if isinstance(d, SwapDecision) and d.in_trigger is not None and d.tensor in earlier | later:
-            step = LATE_TRIGGER_STEP * max(d.swap_in_s, 1e-6)
-            lo, hi = d.evicted_access.time, d.back_access.time
-            if d.tensor in earlier:
-                candidates = [(s, n) for s, n in starts if lo < s <= d.in_trigger.time - step]
-                pick = candidates[-1] if candidates else None
-            else:
-                candidates = [(s, n) for s, n in starts if d.in_trigger.time + step <= s < hi]
-                pick = candidates[0] if candidates else None
-            if pick is not None and pick[1] != d.in_trigger.op:
-                direction = "earlier: late" if d.tensor in earlier else "later: evicted before its use"
-                trigger = dataclasses.replace(d.in_trigger, op=pick[1], time=pick[0], index=-1)
-                d = dataclasses.replace(d, in_trigger=trigger, reason=f"{d.reason} (in-trigger moved {direction})")
-                changed = True
-        decisions.append(d)
-    return dataclasses.replace(plan, decisions=tuple(decisions)) if changed else plan

@@ -8,6 +8,7 @@ order a guided step is made to follow (rewrite.apply_plan pins it with control e
 from __future__ import annotations
 
 import collections
+import math
 import heapq
 from typing import Mapping
 
@@ -28,8 +29,12 @@ def schedule_order(graph: GraphModel, priority: Mapping[str, float] | None = Non
 
     Without `priority`: ready ops first-in first-out, in graph order, as TensorFlow's executor runs them with one
     inter-op thread (its ready queue is first-in first-out). With `priority` (for example each op's measured start):
-    among the ready ops, the one of lowest priority first (ops without one last, in graph order), so that the order
-    is the measured one wherever the measured one is an order of the graph.
+    among the ready ops, the one of lowest priority first, so that the order is the measured one wherever the
+    measured one is an order of the graph. Ops without a priority come first, as soon as they are ready: in a
+    measured step those are the ops the profiler saw no kernel of (TensorFlow runs inexpensive kernels such as
+    Reshape inline, as soon as they are ready). Ranking them last instead held back everything behind them: on
+    ResNet50 an optimizer update measured at the end of the step ran before a gradient's Reshape and its backward
+    chain, 582 inversions in all.
     """
     index = {name: i for i, name in enumerate(graph.ops)}
     succ: dict[str, list[str]] = collections.defaultdict(list)
@@ -47,7 +52,7 @@ def schedule_order(graph: GraphModel, priority: Mapping[str, float] | None = Non
             return (index[name],)
     else:
         def key(name: str) -> tuple:
-            return (0, priority[name], index[name]) if name in priority else (1, 0.0, index[name])
+            return (priority[name], index[name]) if name in priority else (-math.inf, index[name])
     ready = [n for n, k in missing.items() if k == 0]
     order = []
     if priority is None:

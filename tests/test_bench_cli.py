@@ -95,3 +95,38 @@ def test_run_out_of_memory_is_reported(tmp_path, capfd):
     data = json.loads(out.read_text())
     assert data["ok"] is False and data["error"].startswith("ResourceExhaustedError: OOM when allocating")
     assert data["losses"] == [] and data["peak_bytes"] is None and data["persistent_bytes"] > 0
+
+
+def test_batch_runs_needs_three_clean_steps_under_the_budget():
+    from capuchin_tf.bench_cli import batch_runs
+
+    ok = {"ok": True, "peak_bytes": 100, "phases": ["measured", "guided", "guided", "guided"], "retries": [0, 0, 0, 0]}
+    assert batch_runs(ok, 100)
+    assert not batch_runs(ok, 99)  # over the budget
+    assert not batch_runs({**ok, "ok": False}, 100)
+    assert not batch_runs({**ok, "retries": [0, 0, 1, 0]}, 100)  # an out-of-memory retry among the last three
+    assert not batch_runs({**ok, "phases": ["measured", "guided", "passive", "guided"]}, 100)
+    assert not batch_runs({**ok, "phases": ["measured", "guided", "guided"], "retries": [0, 0, 0]}, 100)
+    assert batch_runs({**ok, "phases": ["plain"] * 4}, 100)
+
+
+def test_maxbatch_bad_arguments(tmp_path, capsys):
+    out = str(tmp_path / "out.json")
+    base = ["bench", "maxbatch", "--model", "mlp", "--budget-mb", "64", "--policy", "tf", "--json", out]
+    assert cli.main([*base, "--start", "64", "--max-batch", "32"]) == 2
+    assert "--start <= --max-batch" in capsys.readouterr().err
+    assert cli.main([*base, "--start", "64", "--steps", "3"]) == 2
+    assert "--steps must be at least 4" in capsys.readouterr().err
+
+
+def test_maxbatch_finds_plain_tensorflows_largest_batch(tmp_path):
+    out = tmp_path / "max.json"
+    assert cli.main(["bench", "maxbatch", "--model", "mlp", "--budget-mb", "48", "--policy", "tf", "--start", "256",
+                     "--resolution", "256", "--steps", "4", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    found, failing = data["max_batch_found"], data["first_failing_batch"]
+    assert found is not None and failing is not None and 0 < failing - found <= 256
+    by_batch = {t["batch"]: t for t in data["trials"]}
+    assert by_batch[found]["runs"] and by_batch[found]["peak_bytes"] <= 48 * (1 << 20)
+    assert not by_batch[failing]["runs"] and "OOM" in by_batch[failing]["error"]
+    assert all(t["runs"] == (t["batch"] <= found) for t in data["trials"])

@@ -92,9 +92,9 @@ def test_roles_per_model(quick_setups):
 
     bn = quick_setups["dropout-bn"]
     stats = bn.variables_by_role("non_trainable")
-    assert len(stats) == 10 and all("moving_" in v.name for v in stats)  # 5 BatchNormalization layers
+    assert len(stats) == 20 and all("moving_" in v.name for v in stats)  # 10 BatchNormalization layers
     seeds = bn.variables_by_role("seed_generator")
-    assert len(seeds) == 3 and all("seed_generator_state" in v.name for v in seeds)  # 3 Dropout layers
+    assert len(seeds) == 4 and all("seed_generator_state" in v.name for v in seeds)  # 4 Dropout layers
     assert {id(v) for v in stats + seeds} <= {id(v) for v in bn.written_variables}
 
     tr = quick_setups["transformer"]  # Adam: a momentum and a velocity per trainable variable

@@ -118,7 +118,11 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const A
     // Nothing left to evict: the allocator's own wait-and-retry (up to 10 s) can only help if copies in flight are
     // about to free device buffers. Otherwise fail now: the runtime retries the step with a tighter plan, and each
     // 10 s wait was most of a failed attempt's cost (seen on ResNet50).
-    if (ptr == nullptr && HostStore::Global()->Counters().pending_copies == 0) return nullptr;
+    // (CAPUCHIN_TF_DEBUG_EVICT set: let the allocator fail its own way, which logs its chunks and their ops.)
+    if (ptr == nullptr && HostStore::Global()->Counters().pending_copies == 0 &&
+        std::getenv("CAPUCHIN_TF_DEBUG_EVICT") == nullptr) {
+      return nullptr;
+    }
   }
   if (ptr == nullptr) ptr = base_->AllocateRaw(alignment, num_bytes, attr);
   if (ptr != nullptr) allocations_.fetch_add(1, std::memory_order_relaxed);

@@ -313,8 +313,14 @@ int64_t HostStore::EvictFor(int64_t bytes_needed) {
           LOG(WARNING) << "capuchin: pooled in use " << e->name << " " << e->bytes;
         }
       }
+      int64_t swapped_device = 0;  // device bytes of swap entries (not pooled) still on the device
+      for (const auto& kv : entries_) {
+        const Entry* e = kv.second.get();
+        if (!e->pooled && e->device.IsInitialized()) swapped_device += e->bytes;
+      }
       LOG(WARNING) << "capuchin: EvictFor(" << bytes_needed << ") freed nothing; pooled resident " << in
-                   << " of which in use " << in_shared;
+                   << " of which in use " << in_shared << "; swap entries on the device " << swapped_device
+                   << "; copies pending " << counters_.pending_copies;
     }
   }
   drop.clear();  // frees the device buffers, outside the lock

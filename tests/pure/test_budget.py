@@ -141,3 +141,17 @@ def test_whole_units_scale_exactly(count, unit_scale):
     unit, scale = unit_scale
     assert parse_budget(f"{count} {unit}") == count * scale
 
+
+
+def test_fraction_budget_is_persistent_plus_the_fraction_of_the_transient_rounded_up_to_a_mib():
+    from capuchin_tf.budget import fraction_budget_mb
+
+    mib = 1 << 20
+    assert fraction_budget_mb(10 * mib, 30 * mib, 0.5) == 20
+    assert fraction_budget_mb(10 * mib, 31 * mib, 0.5) == 21  # 20.5 MiB rounds up
+    assert fraction_budget_mb(10 * mib, 30 * mib, 1.0) == 30
+    for bad in (0.0, -0.1, 1.01):
+        with pytest.raises(ValueError, match="fraction"):
+            fraction_budget_mb(10 * mib, 30 * mib, bad)
+    with pytest.raises(ValueError, match="persistent"):
+        fraction_budget_mb(30 * mib, 10 * mib, 0.5)

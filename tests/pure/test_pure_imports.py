@@ -1,4 +1,4 @@
-"""The pure layers (policy maker, simulator, plans, budgets, plan cache, schedules) import no TensorFlow or Keras,
+"""The pure layers (policy maker, simulator, plans, budgets, plan cache, schedules, feedback) import no TensorFlow or Keras,
 directly or indirectly."""
 
 import os
@@ -14,6 +14,7 @@ def test_modules_import_with_tensorflow_blocked():
         "import capuchin_tf.policy, capuchin_tf.simulator, capuchin_tf.plan, capuchin_tf.device_model\n"
         "import capuchin_tf.synthetic, capuchin_tf.cli, capuchin_tf.trace_index\n"
         "import capuchin_tf.budget, capuchin_tf.plan_cache, capuchin_tf.passive, capuchin_tf.schedule\n"
+        "import capuchin_tf.feedback\n"
         "from capuchin_tf.policy import make_plan\n"
         "from capuchin_tf import synthetic\n"
         "t = synthetic.linear_chain(3)\n"
