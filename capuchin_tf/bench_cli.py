@@ -8,11 +8,13 @@
 `run` runs one configuration in a fresh process on a simulated device of --budget-mb MiB (design.md): the model's
 training step wrapped in `capuchin_tf.function(memory_budget=budget, policy=..., link=...)`, called --steps times on
 the model's synthetic batch (`--policy tf`: the plain `tf.function`, no decorator). It writes the measured peak,
-persistent bytes, step times (median over the steps after the first, measured, one), losses, a digest of the
-variables, the plan's counts and the run's metadata as JSON. Exit code 0 when every step ran, 1 on out of memory.
+persistent bytes, step times (median over the steps after the first, measured, one; and `settled_median_step_s`,
+over the steps after the plan's last change, benchmarks.md's timing), losses, a digest of the variables, the plan's
+counts and the run's metadata as JSON. Exit code 0 when every step ran, 1 on out of memory.
 
 `equal` runs plain TensorFlow on a device of --device-mb MiB and the policy under --budget-mb MiB, each in its own
-fresh process, on the same seed and data, and compares them bit for bit (losses and variables). With
+fresh process, on the same seed and data, and compares them bit for bit (losses and variables); it also writes
+`throughput_ratio`, plain TensorFlow's settled median step time over the policy's. With
 --transient-fraction F the budget is persistent + F x the plain run's transient peak (its largest step peak), rounded
 up to a MiB (0.5: the protocol's "half the transient peak"). Exit code 0 when the budgeted run completed and is
 bitwise equal to plain TensorFlow, 1 otherwise.
@@ -73,6 +75,8 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--result", required=True)
     p.add_argument("--curve", help="write the last step's device-memory curve (JSON [[s, bytes], ...]) there")
+    p.add_argument("--stop-on-rescue", action="store_true",
+                   help="stop at the first step that passive mode had to rescue (maxbatch: that batch does not run)")
 
 
 def _machine() -> dict:
@@ -109,6 +113,7 @@ def _run_worker(a: argparse.Namespace) -> int:
         "step_peak_bytes": [], "step_s": [], "phases": [], "late_prefetches": [], "retries": [], "losses": [],
         "median_step_s": None, "samples_per_s": None, "swapped_tensors": 0, "swapped_bytes": 0,
         "recomputed_tensors": 0, "recomputed_bytes": 0, "replans": 0, "settled": None, "report": None,
+        "settled_steps": 0, "settled_median_step_s": None,
     }
     try:
         setup = models.build(a.model, a.batch)
@@ -122,6 +127,8 @@ def _run_worker(a: argparse.Namespace) -> int:
     managed = None
     if a.policy != "tf":
         managed = capuchin_tf.function(setup.train_step, memory_budget=budget, policy=a.policy, link=a.link)
+    if managed is not None and a.stop_on_rescue:
+        managed.passive_rescue = False  # a step passive mode would have to rescue ends the run at once
     step = setup.train_step if managed is None else managed
     try:
         for i in range(a.steps):
@@ -145,6 +152,11 @@ def _run_worker(a: argparse.Namespace) -> int:
             result["phases"].append(phase)
             result["late_prefetches"].append(late)
             result["retries"].append(record["retried"] if record else 0)
+            if a.stop_on_rescue and phase == "passive":
+                result.update(ok=False, error=f"step {i + 1} ran out of memory in its guided attempts and was rescued "
+                                              "by passive mode")
+                print(f"  step {i + 1}/{a.steps}: {result['error']}; stopping", flush=True)
+                break
             print(f"  step {i + 1}/{a.steps} ({phase}): {seconds:.2f} s, peak {peak / MiB:.1f} MiB"
                   + (f", {late} late prefetches" if late else "")
                   + (f", {evicted / MiB:.1f} MiB evicted on demand" if evicted else ""), flush=True)
@@ -159,6 +171,16 @@ def _run_worker(a: argparse.Namespace) -> int:
     if managed is not None and managed.report():
         result["report"] = next(iter(managed.report().values()))
         result.update({k: result["report"][k] for k in PLAN_COUNTS})
+        # benchmarks.md times steps after the plan settled: the steps after the last plan change or retry, less the
+        # first of them (it instantiates the rewritten step), at least 3 of them.
+        steps = result["report"]["steps"][:len(result["step_s"])]
+        changed = [i for i, r in enumerate(steps) if r["plan_changed"] or r["retried"] or r["phase"] == "measured"]
+        after = result["step_s"][changed[-1] + 2:] if changed else result["step_s"][1:]
+        result["settled_steps"] = len(after)
+        result["settled_median_step_s"] = statistics.median(after) if len(after) >= 3 else None
+    elif len(result["step_s"]) >= 4:
+        result["settled_steps"] = len(result["step_s"]) - 1
+        result["settled_median_step_s"] = statistics.median(result["step_s"][1:])
     result.update(losses_hex=[float.hex(x) for x in result["losses"]], variables_sha256=setup.variables_sha256())
     pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
     return 0
@@ -207,7 +229,7 @@ def _maxbatch(a: argparse.Namespace) -> int:
     def trial(batch: int) -> bool:
         print(f"  batch {batch}: {a.steps} steps ...", flush=True)
         args = ["--model", a.model, "--batch", str(batch), "--budget-mb", str(a.budget_mb), "--policy", a.policy,
-                "--link", a.link, "--steps", str(a.steps)]
+                "--link", a.link, "--steps", str(a.steps), "--stop-on-rescue"]
         r = run_worker(args, a.budget_mb)
         runs = batch_runs(r, budget)
         r.pop("report", None)
@@ -359,10 +381,19 @@ def _run(a: argparse.Namespace) -> int:
             "error": managed["error"], "bitwise_equal": equal, "plain_peak_bytes": plain["peak_bytes"],
             "peak_bytes": managed["peak_bytes"], "persistent_bytes": managed["persistent_bytes"],
             "plain_median_step_s": plain["median_step_s"], "median_step_s": managed["median_step_s"],
-            "samples_per_s": managed["samples_per_s"], **{k: managed[k] for k in PLAN_COUNTS}, "plain": plain,
+            "samples_per_s": managed["samples_per_s"],
+            "plain_settled_median_step_s": plain["settled_median_step_s"],
+            "settled_median_step_s": managed["settled_median_step_s"],
+            "throughput_ratio": (plain["settled_median_step_s"] / managed["settled_median_step_s"]
+                                 if plain["settled_median_step_s"] and managed["settled_median_step_s"] else None),
+            **{k: managed[k] for k in PLAN_COUNTS}, "plain": plain,
             "managed": managed}
     _write(a.json, data)
     print(f"{what}: {_summary(managed)}")
+    if data["throughput_ratio"] is not None:
+        print(f"  throughput after settling: {data['throughput_ratio']:.3f}x plain TensorFlow (median step "
+              f"{managed['settled_median_step_s']:.3f} s over {managed['settled_steps']} steps, plain "
+              f"{plain['settled_median_step_s']:.3f} s)")
     print(f"  plain TensorFlow: peak {plain['peak_bytes'] / MiB:.1f} MiB on {a.device_mb} MiB; losses and "
           f"variables bit-for-bit equal to it: {'yes' if equal else 'NO'}")
     print(f"  result written to {a.json}")

@@ -46,6 +46,7 @@ TIGHTEN = 0.95  # a guided step over budget, or out of memory, re-plans for this
 # The plain step runs unrewritten when the measured step evicted nothing and peaked under this fraction of the budget
 # (the plain executor's own order can peak higher than the measured one: 77 against 68 MiB on the cnn at batch 32).
 NOTHING_TO_SAVE = 0.85
+CAPUCHIN_POLICIES = frozenset({"capuchin", "swap-only", "recompute-only"})
 
 
 def oom_line(error: Exception) -> str:
@@ -73,6 +74,7 @@ class StepRecord:
     evictions: int = 0  # prefetched tensors evicted again by the safety net (passive mode during guided steps)
     passive_evictions: int = 0  # pooled tensors the safety net evicted on demand (what the plan did not save)
     passive_evicted_bytes: int = 0
+    planned_bytes: int = 0  # bytes the plan this step ran saved (swapped + recomputed)
 
 
 @dataclasses.dataclass
@@ -108,7 +110,7 @@ class ManagedStep:
     def __init__(self, tf_fn, *, budget_bytes: int | None, policy: str, link: str | float,
                  policy_options: Mapping[str, Any] | None = None, cache_dir: str | None = None,
                  feedback: bool = True, max_replans: int = 20, settle_steps: int = 10, max_retries: int = 2,
-                 protect_steps: int | None = None, headroom: float = 0.0, verbose: bool = False):
+                 protect_steps: int | None = None, verbose: bool = False):
         self._fn = tf_fn
         self.budget_bytes = budget_bytes
         self.policy = policy
@@ -120,7 +122,10 @@ class ManagedStep:
         self.settle_steps = settle_steps
         self.max_retries = max_retries
         self.protect_steps = protect_steps  # None: every guided step
-        self.headroom = headroom  # fraction of the budget above the persistent bytes that the first plan leaves free
+        # Passive mode during guided steps (the pool and on-demand eviction) is Capuchin's; the baselines (swap-all,
+        # checkpoint) run their plans alone, so that their max batch is their plan's.
+        self.safety_net = policy in CAPUCHIN_POLICIES
+        self.passive_rescue = True  # off: a guided step that keeps running out of memory raises CapuchinError
         self.verbose = verbose
         self._states: dict[str, SignatureState] = {}
 
@@ -199,7 +204,7 @@ class ManagedStep:
         seconds = time.perf_counter() - t0
         state.trace = trace
         state.history.append(StepRecord("measured", seconds, trace.peak_bytes))
-        self._plan_and_rewrite(state, args, self._plan_budget(trace))
+        self._plan_and_rewrite(state, args, self.budget_bytes)
         if self.cache is not None and state.plan is not None and state.fallback_reason is None:
             self.cache.store(self._cache_key(state, args), state.plan, extra={"trace": trace.to_json()})
         return outputs
@@ -233,11 +238,6 @@ class ManagedStep:
         return state.fallback_reason is None
 
     # ---- planning and rewriting --------------------------------------------------------------------------------
-    def _plan_budget(self, trace: AccessTrace) -> int | None:
-        if self.budget_bytes is None:
-            return None
-        return int(self.budget_bytes - self.headroom * max(self.budget_bytes - trace.persistent_bytes, 0))
-
     def _plan_and_rewrite(self, state: SignatureState, args, budget: int | None) -> None:
         trace = state.trace
         device_model = self._device_model(trace, state)
@@ -280,8 +280,9 @@ class ManagedStep:
             graph_def = rewrite.apply_plan(state.optimized, plan, state.trace, dtypes, shapes)
             # Beyond the plan, every tensor that still waits across other work goes to the pool, as in the measured
             # step: what the plan did not foresee (BFC fragmentation, a copy's timing) is evicted on demand instead
-            # of failing the step.
-            graph_def = profile.pooled(state.concrete, graph_def)
+            # of failing the step. Capuchin's passive mode: the baselines run their plans alone.
+            if self.safety_net:
+                graph_def = profile.pooled(state.concrete, graph_def)
             state.fn = rewrite.rebuild(state.concrete, graph_def, name="capuchin_guided_step")
         except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
             self._fall_back(state, f"the plan could not be applied: {e}")
@@ -311,7 +312,7 @@ class ManagedStep:
                 else:
                     # Passive mode stays on as a safety net: an allocation that would fail first evicts pooled
                     # tensors and prefetched tensors their swap-in has not claimed (both come back on demand).
-                    ops.set_passive_mode(True)
+                    ops.set_passive_mode(self.safety_net)
                     try:
                         outputs = rewrite.call_without_grappler(state.fn, *args)
                     finally:
@@ -324,6 +325,8 @@ class ManagedStep:
                 if retried > self.max_retries:
                     # The last resort: this step in passive mode (the measured step's mechanism, which completed
                     # under this budget), then back to the tightened plan.
+                    if not self.passive_rescue:
+                        raise self._failure(state, e, rescue_off=True) from e
                     return self._passive(state, args, retried, e)
                 self._tighten(state, args, reason="out of memory")
                 continue
@@ -339,7 +342,9 @@ class ManagedStep:
                     late[str(n)] = late.get(str(n), 0.0) + (int(e) - int(b)) / 1e9
             state.last_stalls = stalls
             early = [str(n) for n, k in zip(stalls["name"], stalls["kind"]) if k == 3]
+            plan = state.plan if state.fn is not None else None
             record = StepRecord("guided" if state.fn is not None else "plain", seconds, peak,
+                                planned_bytes=(plan.swapped_bytes + plan.recomputed_bytes) if plan else 0,
                                 late_prefetches=after["late_prefetches"] - before["late_prefetches"], retried=retried,
                                 late_wait_s=sum(late.values()),
                                 evictions=after["guided_evictions"] - before["guided_evictions"],
@@ -433,9 +438,12 @@ class ManagedStep:
         pos = self._failing_position(state, error)
         return pos is not None and pos < state.first_write
 
-    def _failure(self, state: SignatureState, error, passive: bool = False) -> CapuchinError:
+    def _failure(self, state: SignatureState, error, passive: bool = False, rescue_off: bool = False) -> CapuchinError:
         pos = self._failing_position(state, error)
-        if passive:
+        if rescue_off:
+            what = (f"in {self.max_retries + 1} guided attempts with tighter plans (the variables were restored; "
+                    "passive-mode rescue is off)")
+        elif passive:
             what = "even in passive mode (what must stay on the device at once does not fit)"
         elif state.fn is None:
             what = "in the plain TensorFlow step (no plan was needed, or the plan could not be applied)"
