@@ -4,16 +4,21 @@
 (profile.measure_step: a real step in passive mode under the device limit); its trace and the budget give a plan
 (policy.make_plan); the plan is applied to the step's optimized graph (rewrite.apply_plan) and every later call runs
 that guided step. After each guided step the runtime reads what the host store saw (which swap-ins waited for their
-copy, the allocator's peak) and adjusts the plan: a late prefetch moves that tensor's in-trigger earlier by 5% of its
-swap time (the paper); a peak over the budget re-plans for a tighter budget (beyond the paper). The step is
+copy and how long, the allocator's peak) and adjusts the plan (capuchin_tf.feedback): a late prefetch moves that
+tensor's in-trigger earlier by 5% of its swap time (the paper) or by its wait, if longer; a prefetch evicted again
+before its use moves it later; a peak over the budget re-plans for a tighter budget (beyond the paper). The step is
 re-rewritten only when the plan changed, at most once per step and at most `max_replans` times; it is settled after
-`settle_steps` steps without a change.
+`settle_steps` steps without a change. The emulated link (p100) follows the speed the guided steps compute at.
 
-Safety: guided steps run with a host copy of the variables the step writes (by default every step; with
-`protect_steps=N`, the N steps after each plan change); an out-of-memory error restores them and retries the step
-with a tighter plan (the planner's model does not see BFC fragmentation, and copies and prefetches vary in timing
-from step to step, so a plan that fitted can fail later); after `max_retries` tries the step runs in passive mode
-(the measured step's mechanism, which completed under the budget) and the next steps go on with the tightened plan. Without a copy, the guided graph being pinned to one order
+Safety: for capuchin's policies (capuchin, swap-only, recompute-only) every guided step keeps passive mode's pool:
+tensors the plan does not handle are handed to it as in the measured step, and what the plan did not foresee is
+evicted on demand (the baselines swap-all and checkpoint run their plans alone). Guided steps also run with a host
+copy of the variables the step writes (by default every step; with `protect_steps=N`, the N steps after each plan
+change); an out-of-memory error restores them and retries the step with a tighter plan (the planner's model does not
+see BFC fragmentation, and copies and prefetches vary in timing from step to step, so a plan that fitted can fail
+later); after `max_retries` tries the step runs in passive mode (the measured step's mechanism, which completed under
+the budget; `passive_rescue = False` raises instead) and the next steps go on with the tightened plan. Without a
+copy, the guided graph being pinned to one order
 (schedule.guided_order), the ops before a failing op are exactly the ones that ran: an out-of-memory error before the
 first variable write is retried the same way; after it, the step fails with a message saying that updates may be
 partial, never repeating one. A step that cannot be rewritten runs as plain
@@ -97,7 +102,6 @@ class SignatureState:
     from_cache: bool = False
     written: list = dataclasses.field(default_factory=list)  # the variables the step writes
     passive_fn: Any = None  # the step with passive mode's tensor pool (the last resort after repeated OOM)
-    last_stalls: dict | None = None  # the last guided step's stall log (ops.drain_stalls)
     # How much faster guided steps compute than the measured step's trace says: trace step time over the fastest
     # guided step's time without its waits for copies (recomputation included, so an underestimate).
     speedup: float = 1.0
@@ -340,7 +344,6 @@ class ManagedStep:
             for n, k, b, e in zip(stalls["name"], stalls["kind"], stalls["start_ns"], stalls["end_ns"]):
                 if k == 2:
                     late[str(n)] = late.get(str(n), 0.0) + (int(e) - int(b)) / 1e9
-            state.last_stalls = stalls
             early = [str(n) for n, k in zip(stalls["name"], stalls["kind"]) if k == 3]
             plan = state.plan if state.fn is not None else None
             record = StepRecord("guided" if state.fn is not None else "plain", seconds, peak,
