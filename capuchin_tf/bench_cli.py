@@ -152,11 +152,6 @@ def _run_worker(a: argparse.Namespace) -> int:
             result["phases"].append(phase)
             result["late_prefetches"].append(late)
             result["retries"].append(record["retried"] if record else 0)
-            if a.stop_on_rescue and phase == "passive":
-                result.update(ok=False, error=f"step {i + 1} ran out of memory in its guided attempts and was rescued "
-                                              "by passive mode")
-                print(f"  step {i + 1}/{a.steps}: {result['error']}; stopping", flush=True)
-                break
             print(f"  step {i + 1}/{a.steps} ({phase}): {seconds:.2f} s, peak {peak / MiB:.1f} MiB"
                   + (f", {late} late prefetches" if late else "")
                   + (f", {evicted / MiB:.1f} MiB evicted on demand" if evicted else ""), flush=True)

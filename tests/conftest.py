@@ -46,3 +46,20 @@ def run_on_simulated_device(code: str, limit_mb: int, timeout: float = 300.0, en
 @pytest.fixture(scope="session")
 def simulated_device():
     return run_on_simulated_device
+
+
+def _assert_plan_fits_policy(policy: str, counts: dict) -> None:
+    """The plan counts (`swapped_tensors`, `recomputed_tensors`) show the policy's mechanisms: swap-only only swaps,
+    recompute-only only recomputes, the hybrid does at least one of them."""
+    swapped, recomputed = counts["swapped_tensors"], counts["recomputed_tensors"]
+    if policy == "swap-only":
+        assert swapped > 0 and recomputed == 0, counts
+    elif policy == "recompute-only":
+        assert recomputed > 0 and swapped == 0, counts
+    else:
+        assert swapped + recomputed > 0, counts
+
+
+@pytest.fixture(scope="session")
+def assert_plan_fits_policy():
+    return _assert_plan_fits_policy
