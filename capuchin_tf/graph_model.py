@@ -181,3 +181,68 @@ def propagate_backward_roles(model: GraphModel) -> GraphModel:
         return model
     ops = [dataclasses.replace(op, role=roles[op.name]) for op in model.ops.values()]
     return GraphModel(ops={o.name: o for o in ops}, tensors=model.tensors)
+
+
+# Ops whose output is always a view of one input's buffer: they never allocate (TensorFlow runs them inline, and the
+# profiler shows no kernel of them). Snapshot is not one: it copies when it cannot forward.
+VIEW_OPS = frozenset({"Reshape", "Identity", "Squeeze", "ExpandDims", "Bitcast", "StopGradient", "EnsureShape",
+                      "PreventGradient", "IdentityN"})
+
+
+def view_input(op_type: str, slot: int) -> int | None:
+    """For an op of `op_type`, the input whose buffer output `slot` views; None when the op is not a view op."""
+    if op_type not in VIEW_OPS:
+        return None
+    return slot if op_type == "IdentityN" else 0
+
+
+def view_base(model: GraphModel, tid: str) -> str:
+    """The tensor whose buffer `tid` is: `tid` itself, or, through any chain of view ops, the tensor they view."""
+    seen = set()
+    while tid not in seen:
+        seen.add(tid)
+        op, slot = split_tensor_id(tid)
+        info = model.ops.get(op)
+        k = None if info is None else view_input(info.type, slot)
+        if k is None or k >= len(info.inputs):
+            return tid
+        tid = info.inputs[k]
+    return tid
+
+
+def fold_views(model: GraphModel) -> GraphModel:
+    """The graph with every read through a view op made a read of the tensor it views.
+
+    A view shares its input's buffer, so reading the view reads that buffer: the transformer's MLM-loss gradient is
+    made at step start, reshaped at once, and read through the Reshape at the head's backward pass, and the tensor
+    that holds the 20 MiB meanwhile is the UnsortedSegmentSum's. Folded, that read is an access of the
+    UnsortedSegmentSum's output, so the planner sees the idle gap. The view ops stay (they still read their input)
+    and each folded reader gets a control input on its view ops, so that orders of the folded graph stay orders of
+    the real one. The rewriter recreates the views on whatever replaces the tensor (rewrite.py).
+    """
+    changed = False
+    ops = []
+    for op in model.ops.values():
+        inputs, ctrl = [], list(op.control_inputs)
+        for t in op.inputs:
+            base = view_base(model, t)
+            if base != t:
+                changed = True
+                v = t
+                while v != base:  # the view ops between base and this reader become ordering edges
+                    name, slot = split_tensor_id(v)
+                    if name not in ctrl and name != op.name:
+                        ctrl.append(name)
+                    info = model.ops[name]
+                    v = info.inputs[view_input(info.type, slot)]
+            inputs.append(base)
+        ops.append(dataclasses.replace(op, inputs=tuple(inputs), control_inputs=tuple(ctrl)))
+    if not changed:
+        return model
+    consumers: dict[str, list[str]] = {}
+    for o in ops:
+        for t in o.inputs:
+            consumers.setdefault(t, []).append(o.name)
+    tensors = [dataclasses.replace(t, consumers=tuple(dict.fromkeys(consumers.get(t.id, ()))))
+               for t in model.tensors.values()]
+    return GraphModel.build(ops, tensors)

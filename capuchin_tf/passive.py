@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from capuchin_tf.graph_model import GraphModel
+from capuchin_tf.graph_model import VIEW_OPS, GraphModel
 from capuchin_tf.schedule import schedule_order
 
 # dtypes the host store copies (names as in the graph model)
@@ -56,7 +56,10 @@ def hold_plan(graph: GraphModel, min_bytes: int = MIN_HOLD_BYTES) -> dict[str, l
         if graph.ops[t.op].type in ("Capuchin>Hold", "Capuchin>Get"):
             continue
         p = pos[t.op]
-        readers = sorted(dict.fromkeys(t.consumers), key=pos.__getitem__)
+        # A view op reads no data: the readers of its output read the tensor (the graph folds them into readers of
+        # it, graph_model.fold_views), and their Gets feed clones of the views (rewrite.insert_hold_get).
+        readers = sorted((c for c in dict.fromkeys(t.consumers) if graph.ops[c].type not in VIEW_OPS),
+                         key=pos.__getitem__)
         if any(graph.ops[r].type in DIRECT_READERS for r in readers):
             continue
         reads = [PooledRead(r, (order[pos[r] - 1],)) for r in readers

@@ -20,6 +20,7 @@ import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from capuchin_tf import capture, ops, rewrite
+from capuchin_tf.graph_model import fold_views
 from capuchin_tf.passive import hold_plan
 from capuchin_tf.trace import AccessTrace
 from capuchin_tf.tracing import KernelEvent, MemoryEvent, assemble_trace, fold_pool_ops
@@ -92,7 +93,7 @@ def pooled(concrete, graph_def):
     evict any of them on demand."""
     # Static shapes of every tensor of the graph (Grappler's and capuchin_tf's new nodes included): imported as is.
     shaped = rewrite.rebuild(concrete, graph_def, name="capuchin_shapes").graph
-    graph = capture.graph_model(graph_def, shaped)
+    graph = fold_views(capture.graph_model(graph_def, shaped))  # a far read through a Reshape is a far read
     # Tensors a plan swaps are the plan's: their swap-out must read them directly (through a Get it would run when
     # the Get's gate says, and the pool would keep the tensor on the device until then).
     plan = {tid: reads for tid, reads in hold_plan(graph).items()
@@ -156,6 +157,7 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
     offset = sum(m - a for m, a in zip(mono, anchors)) // max(len(anchors), 1) if len(anchors) == len(mono) else 0
     stall_spans = [(int(s) - offset, int(e) - offset) for s, e in zip(stalls["start_ns"], stalls["end_ns"])]
     model, aliases = fold_pool_ops(capture.graph_model(graph_def, func_graph))
+    model = fold_views(model)  # reads through views are reads of the buffer they view
     info = dict(meta or {})
     info.setdefault("tf_version", tf.__version__)
     info.setdefault("date", time.strftime("%Y-%m-%d"))

@@ -27,7 +27,7 @@ from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import importer
 from tensorflow.python.util import nest
 
-from capuchin_tf.graph_model import split_tensor_id
+from capuchin_tf.graph_model import VIEW_OPS, split_tensor_id, view_input
 from capuchin_tf.schedule import guided_order
 
 class RewriteError(RuntimeError):
@@ -167,9 +167,7 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence],
             get.attr["shape"].CopyFrom(_attr_shape(None if shape is None else [None if d < 0 else d for d in shape]))
             get.input.extend(f"^{g}" for g in read.gates)
             nodes[get.name] = get
-            for i, inp in enumerate(consumer.input):
-                if inp == ref or (slot == 0 and inp == f"{op}:0"):
-                    consumer.input[i] = get.name
+            _rewire(out, nodes, consumer, tid, get.name, get.name)
     return out
 
 
@@ -178,16 +176,81 @@ def _ref(tid: str) -> str:
     return op if slot == 0 else f"{op}:{slot}"
 
 
-def _reads(node: node_def_pb2.NodeDef, tid: str) -> bool:
-    op, slot = split_tensor_id(tid)
-    return any(i == _ref(tid) or (slot == 0 and i == f"{op}:0") for i in node.input)
+def _split_ref(ref: str) -> tuple[str, int]:
+    name, _, slot = ref.partition(":")
+    return name, int(slot) if slot else 0
 
 
-def _rewire(node: node_def_pb2.NodeDef, tid: str, new_ref: str) -> None:
-    op, slot = split_tensor_id(tid)
+def _view_reads(nodes: Mapping[str, node_def_pb2.NodeDef], node: node_def_pb2.NodeDef,
+                tid: str) -> list[tuple[int, list[str]]]:
+    """The inputs of `node` that read `tid`'s buffer: (input index, the view refs between `tid` and that input,
+    innermost first). A direct read has no views; a read through Reshapes and the like (graph_model.VIEW_OPS) has
+    them (the graph model folds such reads into reads of `tid`, graph_model.fold_views)."""
+    target = split_tensor_id(tid)
+    found = []
     for i, inp in enumerate(node.input):
-        if inp == _ref(tid) or (slot == 0 and inp == f"{op}:0"):
-            node.input[i] = new_ref
+        if inp.startswith("^"):
+            continue
+        chain, ref = [], inp
+        for _ in range(len(nodes) + 1):
+            if _split_ref(ref) == target:
+                found.append((i, chain[::-1]))
+                break
+            name, slot = _split_ref(ref)
+            view = nodes.get(name)
+            k = None if view is None else view_input(view.op, slot)
+            if k is None or k >= len(view.input) or view.input[k].startswith("^"):
+                break
+            chain.append(ref)
+            ref = view.input[k]
+    return found
+
+
+def _view_base(nodes: Mapping[str, node_def_pb2.NodeDef], ref: str) -> str:
+    """The ref whose buffer `ref` is: through any chain of view ops (graph_model.VIEW_OPS), the ref they view."""
+    for _ in range(len(nodes) + 1):
+        name, slot = _split_ref(ref)
+        view = nodes.get(name)
+        k = None if view is None else view_input(view.op, slot)
+        if k is None or k >= len(view.input) or view.input[k].startswith("^"):
+            return ref
+        ref = view.input[k]
+    return ref
+
+
+def _reads(nodes: Mapping[str, node_def_pb2.NodeDef], node: node_def_pb2.NodeDef, tid: str) -> bool:
+    return bool(_view_reads(nodes, node, tid))
+
+
+def _rewire(out: graph_pb2.GraphDef, nodes: dict[str, node_def_pb2.NodeDef], node: node_def_pb2.NodeDef, tid: str,
+            new_ref: str, prefix: str) -> None:
+    """Makes `node` read `new_ref` wherever it read `tid`. A read through views reads clones of those views made on
+    `new_ref`, named `<prefix>/view/<view node>`:
+
+        t --> Reshape_5 --> sub_1        t' --> <prefix>/view/Reshape_5 --> sub_1
+    """
+    for i, views in _view_reads(nodes, node, tid):
+        ref = new_ref
+        for v in views:
+            name, slot = _split_ref(v)
+            original = nodes[name]
+            k = view_input(original.op, slot)
+            clone_name = f"{prefix}/view/{name}"
+            existing = nodes.get(clone_name)
+            if existing is not None and existing.input[k] != ref:
+                clone_name = f"{clone_name}_{slot}"
+                existing = nodes.get(clone_name)
+            if existing is None:
+                clone = out.node.add()
+                clone.CopyFrom(original)
+                clone.name = clone_name
+                inputs = [x for x in original.input if not x.startswith("^")]
+                inputs[k] = ref
+                del clone.input[:]
+                clone.input.extend(inputs)
+                nodes[clone_name] = clone
+            ref = clone_name if slot == 0 else f"{clone_name}:{slot}"
+        node.input[i] = ref
 
 
 def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, str],
@@ -234,7 +297,8 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
 
     def later_readers(tid: str, evicted_index: int) -> list[str]:
         names = [a.op for a in trace.tensors[tid].accesses if a.index > evicted_index]
-        return [n for n in dict.fromkeys(names) if n in nodes and _reads(nodes[n], tid)]
+        return [n for n in dict.fromkeys(names)
+                if n in nodes and nodes[n].op not in VIEW_OPS and _reads(nodes, nodes[n], tid)]
 
     def gate_before(op_name: str) -> list[str]:
         g = before.get(op_name)
@@ -285,7 +349,7 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
         shape = shapes.get(tid)
         swap_in.attr["shape"].CopyFrom(_attr_shape(None if shape is None else [None if x < 0 else x for x in shape]))
         for r in readers:
-            _rewire(nodes[r], tid, swap_in.name)
+            _rewire(out, nodes, nodes[r], tid, swap_in.name, swap_in.name)
 
     by_target = {d.tensor: d for d in plan.recomputes}
     for d in plan.recomputes:
@@ -305,20 +369,18 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
             clone = copy.deepcopy(original)
             clone.name = f"capuchin/recompute/{key}/{name}"
             del clone.input[:]
-            for inp in original.input:
-                if inp.startswith("^"):
-                    continue  # ordering edges of the original: the clone is ordered by its gate and its inputs
-                src = inp.split(":")[0]
-                if src in replayed:
-                    clone.input.append(inp.replace(src, clone_of[src], 1))
-                else:
-                    clone.input.append(inp)
-            if not any(i.split(":")[0] in clone_of for i in clone.input):
+            # ordering edges of the original are dropped: the clone is ordered by its gate and its inputs
+            clone.input.extend(i for i in original.input if not i.startswith("^"))
+            rebuilt = {b for b in (_split_ref(_view_base(nodes, i)) for i in clone.input) if b[0] in replayed}
+            if not rebuilt:
                 clone.input.extend(gate)
             if clone.name in nodes:
                 raise RewriteError(f"the rewrite would insert {clone.name!r} twice")
             out.node.append(clone)
-            nodes[clone.name] = out.node[-1]
+            clone = nodes[clone.name] = out.node[-1]
+            for src, slot in rebuilt:  # read the replayed inputs from their clones (through clones of views, if any)
+                _rewire(out, nodes, clone, f"{src}:{slot}", clone_of[src] if slot == 0 else f"{clone_of[src]}:{slot}",
+                        f"capuchin/recompute/{key}")
             clone_of[name] = clone.name
         for target in (d.tensor, *d.keeps):
             td = by_target.get(target, d)
@@ -327,7 +389,7 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
                 raise RewriteError(f"the replay for {d.tensor} does not rebuild {target}")
             new_ref = clone_of[op] if slot == 0 else f"{clone_of[op]}:{slot}"
             for r in later_readers(target, td.evicted_access.index):
-                _rewire(nodes[r], target, new_ref)
+                _rewire(out, nodes, nodes[r], target, new_ref, f"capuchin/recompute/{key}/{safe_name(target)}")
     if skipped:
         warnings.warn(f"capuchin_tf: {len(skipped)} planned swap(s) cannot follow the enforced order and were left "
                       f"out: {skipped[:3]}", RuntimeWarning, stacklevel=2)

@@ -19,12 +19,13 @@ import bisect
 import dataclasses
 from typing import Iterable, Mapping, Sequence
 
-from capuchin_tf.graph_model import GraphModel
+from capuchin_tf import graph_model
+from capuchin_tf.graph_model import GraphModel, split_tensor_id
 from capuchin_tf.trace import Access, AccessTrace, OpRecord, TensorRecord, build_trace
 
-# Ops whose output may share its input's buffer while the input lives on (no copy, no allocation).
-VIEW_OPS = frozenset({"Reshape", "Identity", "Squeeze", "ExpandDims", "Bitcast", "Snapshot", "StopGradient",
-                      "EnsureShape", "PreventGradient", "IdentityN"})
+# Ops whose output may share its input's buffer while the input lives on (no copy, no allocation): the view ops,
+# and Snapshot when it forwards.
+VIEW_OPS = graph_model.VIEW_OPS | {"Snapshot"}
 
 
 POOL_OP_TYPES = ("Capuchin>Hold", "Capuchin>Get")
@@ -43,6 +44,21 @@ def fold_pool_ops(graph: GraphModel) -> tuple[GraphModel, dict[str, str]]:
         return graph, {}
     pool_ops = set(holds) | {o.name for o in graph.ops.values() if o.type in POOL_OP_TYPES}
     rename = {f"{g}:0": t for g, t in gets.items()}
+    # A reader that read the tensor through views reads clones of those views made on its Get
+    # (`<get>/view/<view op>`, rewrite._rewire): it reads the original views again.
+    for o in graph.ops.values():
+        if o.type not in VIEW_OPS or not o.name.startswith("capuchin/get/"):
+            continue
+        cut = o.name.find("/view/")
+        while cut >= 0 and o.name[:cut] not in gets:
+            cut = o.name.find("/view/", cut + 1)
+        if cut < 0:
+            continue
+        view = o.name[cut + len("/view/"):]
+        original = view if view in graph.ops else view.rpartition("_")[0]
+        if original in graph.ops:
+            pool_ops.add(o.name)
+            rename.update({t: f"{original}:{split_tensor_id(t)[1]}" for t in o.outputs})
     ops = []
     for o in graph.ops.values():
         if o.name in pool_ops:

@@ -1,5 +1,6 @@
 """The host store and swap ops: exact round trips, memory really leaving the device, nothing leaked, clear errors."""
 
+import os
 import time
 
 import numpy as np
@@ -11,6 +12,7 @@ from capuchin_tf import HandleStatus
 
 MiB = 1 << 20
 BFC_MIN_CHUNK = 256  # the BFC allocator's smallest allocation
+DEVICE_LIMIT_BYTES = int(os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"]) * MiB  # set by conftest.py
 
 
 def wait_until(predicate, timeout=30.0, interval=0.002):
@@ -105,7 +107,10 @@ def test_swap_out_lowers_bfc_current_by_the_tensor_size():
     assert capuchin_tf.host_store_stats()["host_bytes"] == n_bytes
     capuchin_tf.prefetch(handle)
     assert wait_until(lambda: capuchin_tf.handle_status(handle) == HandleStatus.IN)
-    assert bfc_current() - (before - n_bytes + BFC_MIN_CHUNK) == n_bytes
+    # Back on the device. BFC may hand out a free chunk somewhat larger than asked: it splits a chunk only when the
+    # surplus reaches the simulated device's fragmentation threshold (1/128 of its limit, cc/kernels/device_allocator.cc).
+    rise = bfc_current() - (before - n_bytes + BFC_MIN_CHUNK)
+    assert n_bytes <= rise < n_bytes + DEVICE_LIMIT_BYTES // 128, rise
     y = capuchin_tf.swap_in(handle, tf.float32, [n_bytes // 4])
     assert y.numpy().tobytes() == expected
     assert capuchin_tf.handle_status(handle) == HandleStatus.UNKNOWN

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from capuchin_tf.graph_model import GraphModel, GraphModelError, OpInfo, Role, TensorInfo
+from capuchin_tf.graph_model import GraphModel, GraphModelError, OpInfo, Role, TensorInfo, fold_views, view_base
 from capuchin_tf.trace import AccessTrace, TraceError
 from capuchin_tf.tracing import KernelEvent, MemoryEvent, assemble_trace
 
@@ -172,3 +172,51 @@ def test_constants_under_the_tape_scope_do_not_make_forward_ops_backward():
     tensors = [TensorInfo(t, t.rsplit(":", 1)[0]) for o in ops for t in o.outputs]
     model = propagate_backward_roles(GraphModel.build(ops, tensors))
     assert model.ops["a"].role == Role.FORWARD
+
+
+def test_reads_through_an_unprofiled_view_are_accesses_of_the_buffer_it_views():
+    """g = f(x) early; r = Reshape(g) (the profiler shows no kernel of it); a backward op reads r much later. Folded
+    (graph_model.fold_views), that read is an access of g: the planner sees g's 4 MB wait through the forward pass
+    (the transformer's MLM-loss gradient)."""
+    ops = [
+        OpInfo("x", "_Arg", (), (), ("x:0",), Role.OTHER, stateful=False, replayable=False),
+        OpInfo("g", "UnsortedSegmentSum", ("x:0",), (), ("g:0",), Role.BACKWARD),
+        OpInfo("r", "Reshape", ("g:0",), (), ("r:0",), Role.BACKWARD),
+        OpInfo("r2", "ExpandDims", ("r:0",), (), ("r2:0",), Role.BACKWARD),
+        OpInfo("f", "MatMul", ("x:0",), (), ("f:0",), Role.FORWARD),
+        OpInfo("gradient_tape/s", "Sub", ("r2:0", "f:0"), (), ("gradient_tape/s:0",), Role.BACKWARD),
+    ]
+    tensors = [
+        TensorInfo("x:0", "x", nbytes=2 * MB, consumers=("g", "f"), persistent=True),
+        TensorInfo("g:0", "g", nbytes=4 * MB, consumers=("r",)),
+        TensorInfo("r:0", "r", nbytes=4 * MB, consumers=("r2",)),
+        TensorInfo("r2:0", "r2", nbytes=4 * MB, consumers=("gradient_tape/s",)),
+        TensorInfo("f:0", "f", nbytes=4 * MB, consumers=("gradient_tape/s",)),
+        TensorInfo("gradient_tape/s:0", "gradient_tape/s", nbytes=4 * MB),
+    ]
+    g = fold_views(GraphModel.build(ops, tensors))
+    s = g.ops["gradient_tape/s"]
+    assert s.inputs == ("g:0", "f:0") and set(s.control_inputs) == {"r", "r2"}  # orders stay orders of the graph
+    assert g.tensors["g:0"].consumers == ("r", "r2", "gradient_tape/s") and g.tensors["r2:0"].consumers == ()
+    assert view_base(g, "r2:0") == "g:0" and view_base(g, "f:0") == "f:0"
+    us = 1000
+    k = [
+        KernelEvent("x", "_Arg", 0, 1 * us),
+        KernelEvent("g", "UnsortedSegmentSum", 10 * us, 20 * us),
+        KernelEvent("f", "MatMul", 30 * us, 200 * us),
+        KernelEvent("gradient_tape/s", "Sub", 210 * us, 220 * us),
+    ]
+    base = 2 * MB
+    m = [
+        MemoryEvent(11 * us, True, 0xA, 4 * MB, 4 * MB, base + 4 * MB, "g", "output"),
+        MemoryEvent(31 * us, True, 0xB, 4 * MB, 4 * MB, base + 8 * MB, "f", "output"),
+        MemoryEvent(211 * us, True, 0xC, 4 * MB, 4 * MB, base + 12 * MB, "gradient_tape/s", "output"),
+        MemoryEvent(219 * us, False, 0xA, 4 * MB, 4 * MB, base + 8 * MB),
+        MemoryEvent(220 * us, False, 0xB, 4 * MB, 4 * MB, base + 4 * MB),
+    ]
+    trace = assemble_trace(g, k, m, peak_bytes=14 * MB)
+    rec = trace.tensors["g:0"]
+    assert rec.nbytes == 4 * MB and rec.free == pytest.approx(219e-6)
+    assert [(a.op, a.time) for a in rec.accesses] == [("g", pytest.approx(20e-6)),
+                                                      ("gradient_tape/s", pytest.approx(210e-6))]
+    assert trace.replayed_peak_bytes() == 14 * MB
