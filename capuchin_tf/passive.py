@@ -23,6 +23,13 @@ SWAPPABLE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8
 # Readers that must see the original tensor: the function's results.
 DIRECT_READERS = frozenset({"_Retval"})
 MIN_HOLD_BYTES = 64 * 1024
+# The measured step pools smaller tensors too. It has no plan and no retry: the pool is all it has, and what the pool
+# cannot evict stays where BFC put it. LayerNorm statistics (8 KiB on the transformer) kept for the backward pass sat
+# between the freed activations and split 62 MiB of free memory into pieces under 20 MiB, so a 20 MiB logits tensor
+# did not fit at 81 MiB (2 of 4 runs); pooled, they are evicted too and the free space coalesces (6 of 6 ran).
+# Guided steps keep MIN_HOLD_BYTES: they have their plan, a retry and passive mode's rescue, and every Hold/Get pair
+# costs time at every step.
+MEASURED_MIN_HOLD_BYTES = 4 * 1024
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from capuchin_tf import capture, ops, rewrite
 from capuchin_tf.graph_model import fold_views
-from capuchin_tf.passive import hold_plan
+from capuchin_tf.passive import MEASURED_MIN_HOLD_BYTES, MIN_HOLD_BYTES, hold_plan
 from capuchin_tf.trace import AccessTrace
 from capuchin_tf.tracing import KernelEvent, MemoryEvent, assemble_trace, fold_pool_ops
 
@@ -84,10 +84,11 @@ def passive_step(concrete, args):
     `rewrite.call_without_grappler` and passive mode on: it completes under a limit the plain step does not fit, as
     long as what is not pooled fits, with the plain step's results bit for bit."""
     optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
-    return rewrite.rebuild(concrete, pooled(concrete, optimized), name="capuchin_passive_step")
+    return rewrite.rebuild(concrete, pooled(concrete, optimized, min_bytes=MEASURED_MIN_HOLD_BYTES),
+                           name="capuchin_passive_step")
 
 
-def pooled(concrete, graph_def):
+def pooled(concrete, graph_def, min_bytes: int = MIN_HOLD_BYTES):
     """`graph_def` (the step's optimized graph, rewritten or not) with every tensor that waits while memory is
     allocated handed to the pool (passive.hold_plan, rewrite.insert_hold_get): under passive mode the allocator can
     evict any of them on demand."""
@@ -96,7 +97,7 @@ def pooled(concrete, graph_def):
     graph = fold_views(capture.graph_model(graph_def, shaped))  # a far read through a Reshape is a far read
     # Tensors a plan swaps are the plan's: their swap-out must read them directly (through a Get it would run when
     # the Get's gate says, and the pool would keep the tensor on the device until then).
-    plan = {tid: reads for tid, reads in hold_plan(graph).items()
+    plan = {tid: reads for tid, reads in hold_plan(graph, min_bytes=min_bytes).items()
             if not any(graph.ops[c].type == "Capuchin>SwapOut" for c in graph.tensors[tid].consumers)}
     dtypes, shapes = {}, {}
     for tid in plan:

@@ -120,6 +120,12 @@ class ManagedStep:
         self.policy = policy
         self.link = link
         self.policy_options = dict(policy_options or {})
+        if policy == "capuchin":
+            # A step must run a plan that fits: when the hybrid greedy paints itself into a corner and one of its
+            # halves fits, that half's plan runs (docs/policy.md, "fallback"; the policy benchmarks of issue 4 keep
+            # it off so that they compare the paper's algorithm as it is). Seen on dropout-bn at half its transient
+            # peak (p100): the hybrid plan was 30 MiB over the budget at a BatchNorm gradient, recompute-only fit.
+            self.policy_options.setdefault("fallback", True)
         self.cache = PlanCache(cache_dir) if cache_dir else None
         self.feedback = feedback
         self.max_replans = max_replans
