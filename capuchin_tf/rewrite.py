@@ -181,41 +181,40 @@ def _split_ref(ref: str) -> tuple[str, int]:
     return name, int(slot) if slot else 0
 
 
-def _view_reads(nodes: Mapping[str, node_def_pb2.NodeDef], node: node_def_pb2.NodeDef,
-                tid: str) -> list[tuple[int, list[str]]]:
-    """The inputs of `node` that read `tid`'s buffer: (input index, the view refs between `tid` and that input,
-    innermost first). A direct read has no views; a read through Reshapes and the like (graph_model.VIEW_OPS) has
-    them (the graph model folds such reads into reads of `tid`, graph_model.fold_views)."""
-    target = split_tensor_id(tid)
-    found = []
-    for i, inp in enumerate(node.input):
-        if inp.startswith("^"):
-            continue
-        chain, ref = [], inp
-        for _ in range(len(nodes) + 1):
-            if _split_ref(ref) == target:
-                found.append((i, chain[::-1]))
-                break
-            name, slot = _split_ref(ref)
-            view = nodes.get(name)
-            k = None if view is None else view_input(view.op, slot)
-            if k is None or k >= len(view.input) or view.input[k].startswith("^"):
-                break
-            chain.append(ref)
-            ref = view.input[k]
-    return found
-
-
-def _view_base(nodes: Mapping[str, node_def_pb2.NodeDef], ref: str) -> str:
-    """The ref whose buffer `ref` is: through any chain of view ops (graph_model.VIEW_OPS), the ref they view."""
+def _view_chain(nodes: Mapping[str, node_def_pb2.NodeDef], ref: str) -> tuple[str, list[str]]:
+    """(the ref whose buffer `ref` is, the view refs between it and `ref`, innermost first): `ref` itself and no
+    views unless `ref` is made by view ops (graph_model.VIEW_OPS)."""
+    views = []
     for _ in range(len(nodes) + 1):
         name, slot = _split_ref(ref)
         view = nodes.get(name)
         k = None if view is None else view_input(view.op, slot)
         if k is None or k >= len(view.input) or view.input[k].startswith("^"):
-            return ref
+            break
+        views.append(ref)
         ref = view.input[k]
-    return ref
+    return ref, views[::-1]
+
+
+def _view_reads(nodes: Mapping[str, node_def_pb2.NodeDef], node: node_def_pb2.NodeDef,
+                tid: str) -> list[tuple[int, list[str]]]:
+    """The inputs of `node` that read `tid`'s buffer: (input index, the view refs between `tid` and that input,
+    innermost first). A direct read has no views; a read through Reshapes and the like has them (the graph model
+    folds such reads into reads of `tid`, graph_model.fold_views)."""
+    target = split_tensor_id(tid)
+    found = []
+    for i, inp in enumerate(node.input):
+        if inp.startswith("^"):
+            continue
+        base, views = _view_chain(nodes, inp)
+        if _split_ref(base) == target:
+            found.append((i, views))
+        else:  # `tid` may itself be a view (one whose op the profiler saw): the views made on it
+            for j, v in enumerate(views):
+                if _split_ref(v) == target:
+                    found.append((i, views[j + 1:]))
+                    break
+    return found
 
 
 def _reads(nodes: Mapping[str, node_def_pb2.NodeDef], node: node_def_pb2.NodeDef, tid: str) -> bool:
@@ -371,7 +370,7 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
             del clone.input[:]
             # ordering edges of the original are dropped: the clone is ordered by its gate and its inputs
             clone.input.extend(i for i in original.input if not i.startswith("^"))
-            rebuilt = {b for b in (_split_ref(_view_base(nodes, i)) for i in clone.input) if b[0] in replayed}
+            rebuilt = {b for b in (_split_ref(_view_chain(nodes, i)[0]) for i in clone.input) if b[0] in replayed}
             if not rebuilt:
                 clone.input.extend(gate)
             if clone.name in nodes:

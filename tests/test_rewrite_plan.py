@@ -70,3 +70,25 @@ def test_guided_steps_follow_the_plan_and_give_plain_tensorflows_bits(plain, pol
     # the executed order is the measured one, so the guided peak is the planned one, not plain TensorFlow's
     assert max(peaks) < trace.peak_bytes
     assert max(peaks) <= 1.10 * max(budget, plan.predicted_peak_bytes)
+
+
+def test_a_read_through_views_reads_clones_of_the_views_on_the_new_tensor():
+    """t -> Reshape r -> ExpandDims e -> sub: rewired to t', sub reads clones of r and e made on t' (the originals
+    stay for their other readers), and a direct reader of t reads t' itself."""
+    from tensorflow.core.framework import graph_pb2
+
+    g = graph_pb2.GraphDef()
+    for name, op, inputs in [("t", "Const", []), ("shape", "Const", []), ("axis", "Const", []), ("x", "Const", []),
+                             ("r", "Reshape", ["t", "shape"]), ("e", "ExpandDims", ["r", "axis"]),
+                             ("sub", "Sub", ["e", "x", "^x"]), ("neg", "Neg", ["t:0"]), ("t2", "Const", []),
+                             ("new", "Identity", ["t2"])]:
+        g.node.add(name=name, op=op, input=inputs)
+    nodes = {n.name: n for n in g.node}
+    assert rewrite._reads(nodes, nodes["sub"], "t:0") and not rewrite._reads(nodes, nodes["neg"], "x:0")
+    rewrite._rewire(g, nodes, nodes["sub"], "t:0", "new", "capuchin/swap_in/t_0")
+    rewrite._rewire(g, nodes, nodes["neg"], "t:0", "new", "capuchin/swap_in/t_0")
+    assert list(nodes["sub"].input) == ["capuchin/swap_in/t_0/view/e", "x", "^x"]
+    assert list(nodes["capuchin/swap_in/t_0/view/e"].input) == ["capuchin/swap_in/t_0/view/r", "axis"]
+    assert list(nodes["capuchin/swap_in/t_0/view/r"].input) == ["new", "shape"]
+    assert list(nodes["neg"].input) == ["new"]
+    assert list(nodes["r"].input) == ["t", "shape"]  # the original views are untouched
