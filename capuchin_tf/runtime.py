@@ -22,7 +22,10 @@ copy, the guided graph being pinned to one order
 (schedule.guided_order), the ops before a failing op are exactly the ones that ran: an out-of-memory error before the
 first variable write is retried the same way; after it, the step fails with a message saying that updates may be
 partial, never repeating one. A step that cannot be rewritten runs as plain
-TensorFlow, with one warning.
+TensorFlow, with one warning. The measured step, which has no plan to tighten, is run once more after an
+out-of-memory error, its written variables restored from a host copy first (where it fails depends on BFC
+fragmentation, which varies from run to run); if it fails again, the variables are restored before the error is
+raised.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ TIGHTEN = 0.95  # a guided step over budget, or out of memory, re-plans for this
 # (the plain executor's own order can peak higher than the measured one: 77 against 68 MiB on the cnn at batch 32).
 NOTHING_TO_SAVE = 0.85
 CAPUCHIN_POLICIES = frozenset({"capuchin", "swap-only", "recompute-only"})
+
+
+MEASURED_RETRIES = 1  # runs of the measured step after an out-of-memory error (ManagedStep._measured)
 
 
 def oom_line(error: Exception) -> str:
@@ -207,13 +213,30 @@ class ManagedStep:
         return model
 
     def _measured(self, state: SignatureState, args):
+        """The measured step. It has no plan to tighten, but where it fails depends on BFC fragmentation, which varies
+        from run to run (a tensor the pool cannot evict, in use at that moment, splits the free memory): once, an
+        out-of-memory error restores the written variables from a host copy and runs the measured step again."""
         t0 = time.perf_counter()
-        tf.config.experimental.reset_memory_stats(DEVICE)
-        outputs, trace = profile.measure_step(self._fn, args, budget_bytes=self.budget_bytes,
-                                              meta=self._meta(state.concrete))
+        meta = self._meta(state.concrete)
+        snapshot = self._snapshot(state) if self.max_retries > 0 else None
+        retried = 0
+        while True:
+            tf.config.experimental.reset_memory_stats(DEVICE)
+            try:
+                outputs, trace = profile.measure_step(self._fn, args, budget_bytes=self.budget_bytes, meta=meta)
+                break
+            except tf.errors.ResourceExhaustedError as e:
+                if snapshot is not None:
+                    self._restore(state, snapshot)  # no update is lost or half made, retried or not
+                if snapshot is None or retried >= MEASURED_RETRIES:
+                    raise
+                retried += 1
+                if self.verbose:
+                    print(f"capuchin_tf: the measured step ran out of memory ({oom_line(e)}); variables restored, "
+                          "running it again", flush=True)
         seconds = time.perf_counter() - t0
         state.trace = trace
-        state.history.append(StepRecord("measured", seconds, trace.peak_bytes))
+        state.history.append(StepRecord("measured", seconds, trace.peak_bytes, retried=retried))
         self._plan_and_rewrite(state, args, self.budget_bytes)
         if self.cache is not None and state.plan is not None and state.fallback_reason is None:
             self.cache.store(self._cache_key(state, args), state.plan, extra={"trace": trace.to_json()})

@@ -167,3 +167,40 @@ def test_a_cached_plan_skips_the_measured_step_and_a_corrupt_one_is_ignored(simu
     third = simulated_device(CACHED.format(restore=False, state=state, cache=cache), limit_mb=4096)
     assert third["phases"] == ["measured", "guided"] and not third["from_cache"]
     assert len(third["warnings"]) == 1 and "ignoring plan cache entry" in third["warnings"][0]
+
+
+MEASURED_OOM = """
+import contextlib, hashlib, io, json
+import numpy as np
+import tensorflow as tf
+import capuchin_tf
+from capuchin_tf import models
+
+setup = models.build("cnn", 128)
+
+def digest():
+    h = hashlib.sha256()
+    for v in setup.variables:
+        h.update(np.asarray(v.numpy()).tobytes())
+    return h.hexdigest()
+
+before = digest()
+step = capuchin_tf.function(setup.train_step, policy="capuchin", link="native", verbose=True)
+result = {"oom": False}
+log = io.StringIO()
+try:
+    with contextlib.redirect_stdout(log):
+        step(*setup.inputs)
+except tf.errors.ResourceExhaustedError as e:
+    result["oom"] = "OOM when allocating" in str(e)
+result["reruns"] = log.getvalue().count("the measured step ran out of memory")
+result["unchanged"] = digest() == before
+print(json.dumps(result))
+"""
+
+
+def test_a_measured_step_that_cannot_fit_is_retried_once_then_raises_with_the_variables_restored(simulated_device):
+    # 40 MiB: far below the cnn's floor (persistent 4.3 MiB; a single convolution's working set is larger), so both
+    # runs of the measured step run out of memory; whatever the failed runs wrote is restored.
+    result = simulated_device(MEASURED_OOM, limit_mb=40, timeout=600)
+    assert result == {"oom": True, "reruns": 1, "unchanged": True}
