@@ -196,8 +196,10 @@ def view_input(op_type: str, slot: int) -> int | None:
     return slot if op_type == "IdentityN" else 0
 
 
-def view_base(model: GraphModel, tid: str) -> str:
-    """The tensor whose buffer `tid` is: `tid` itself, or, through any chain of view ops, the tensor they view."""
+def view_chain(model: GraphModel, tid: str) -> tuple[str, tuple[str, ...]]:
+    """(the tensor whose buffer `tid` is, the view ops between it and `tid`): `tid` itself and no ops, or, through
+    any chain of view ops, the tensor they view and those ops."""
+    ops: list[str] = []
     seen = set()
     while tid not in seen:
         seen.add(tid)
@@ -205,9 +207,15 @@ def view_base(model: GraphModel, tid: str) -> str:
         info = model.ops.get(op)
         k = None if info is None else view_input(info.type, slot)
         if k is None or k >= len(info.inputs):
-            return tid
+            break
+        ops.append(op)
         tid = info.inputs[k]
-    return tid
+    return tid, tuple(ops)
+
+
+def view_base(model: GraphModel, tid: str) -> str:
+    """The tensor whose buffer `tid` is (see `view_chain`)."""
+    return view_chain(model, tid)[0]
 
 
 def fold_views(model: GraphModel) -> GraphModel:
@@ -225,16 +233,10 @@ def fold_views(model: GraphModel) -> GraphModel:
     for op in model.ops.values():
         inputs, ctrl = [], list(op.control_inputs)
         for t in op.inputs:
-            base = view_base(model, t)
-            if base != t:
-                changed = True
-                v = t
-                while v != base:  # the view ops between base and this reader become ordering edges
-                    name, slot = split_tensor_id(v)
-                    if name not in ctrl and name != op.name:
-                        ctrl.append(name)
-                    info = model.ops[name]
-                    v = info.inputs[view_input(info.type, slot)]
+            base, views = view_chain(model, t)
+            changed |= base != t
+            # the view ops between base and this reader become ordering edges
+            ctrl.extend(v for v in views if v not in ctrl and v != op.name)
             inputs.append(base)
         ops.append(dataclasses.replace(op, inputs=tuple(inputs), control_inputs=tuple(ctrl)))
     if not changed:

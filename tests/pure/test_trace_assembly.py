@@ -6,7 +6,7 @@ import pytest
 
 from capuchin_tf.graph_model import GraphModel, GraphModelError, OpInfo, Role, TensorInfo, fold_views, view_base
 from capuchin_tf.trace import AccessTrace, TraceError
-from capuchin_tf.tracing import KernelEvent, MemoryEvent, assemble_trace
+from capuchin_tf.tracing import KernelEvent, MemoryEvent, assemble_trace, fold_pool_ops
 
 MB = 1 << 20
 
@@ -220,3 +220,29 @@ def test_reads_through_an_unprofiled_view_are_accesses_of_the_buffer_it_views():
     assert [(a.op, a.time) for a in rec.accesses] == [("g", pytest.approx(20e-6)),
                                                       ("gradient_tape/s", pytest.approx(210e-6))]
     assert trace.replayed_peak_bytes() == 14 * MB
+
+
+def test_fold_pool_ops_reads_the_tensor_again_through_its_original_views():
+    """A Hold/Get pair, and a reader that read the tensor through a Reshape reading a clone of it made on its Get
+    (`<get>/view/<reshape>`, rewrite._rewire): folded, the graph is the one without the pool, and the Get's
+    allocation belongs to the tensor."""
+    get = "capuchin/get/t_0/0"
+    ops = [
+        OpInfo("t", "MatMul", (), (), ("t:0",), Role.FORWARD),
+        OpInfo("r", "Reshape", ("t:0",), (), ("r:0",), Role.FORWARD),
+        OpInfo("capuchin/hold/t_0", "Capuchin>Hold", ("t:0",), (), ("capuchin/hold/t_0:0",), Role.OTHER),
+        OpInfo(get, "Capuchin>Get", ("capuchin/hold/t_0:0",), ("f",), (f"{get}:0",), Role.OTHER),
+        OpInfo(f"{get}/view/r", "Reshape", (f"{get}:0",), (), (f"{get}/view/r:0",), Role.BACKWARD),
+        OpInfo("f", "Relu", ("t:0",), (), ("f:0",), Role.FORWARD),
+        OpInfo("gradient_tape/s", "Sub", (f"{get}/view/r:0", "f:0"), (), ("gradient_tape/s:0",), Role.BACKWARD),
+    ]
+    consumers = {"t:0": ("r", "capuchin/hold/t_0", "f"), "capuchin/hold/t_0:0": (get,),
+                 f"{get}:0": (f"{get}/view/r",), f"{get}/view/r:0": ("gradient_tape/s",), "f:0": ("gradient_tape/s",)}
+    tensors = [TensorInfo(t, o.name, nbytes=4 * MB, consumers=consumers.get(t, ())) for o in ops for t in o.outputs]
+    folded, aliases = fold_pool_ops(GraphModel.build(ops, tensors))
+    assert set(folded.ops) == {"t", "r", "f", "gradient_tape/s"}
+    assert folded.ops["gradient_tape/s"].inputs == ("r:0", "f:0")
+    assert folded.tensors["r:0"].consumers == ("gradient_tape/s",)
+    assert aliases == {get: "t:0"}
+    g = fold_views(folded)
+    assert g.ops["gradient_tape/s"].inputs == ("t:0", "f:0") and g.ops["gradient_tape/s"].control_inputs == ("r",)
