@@ -62,3 +62,42 @@ def test_plain_runs_out_of_memory_and_the_swapped_graph_runs_bit_for_bit(simulat
     assert limited["True"]["ok"], "the swapped graph must run under the same limit"
     assert limited["True"]["peak"] <= LIMIT_MB * MiB
     assert limited["True"]["sha"] == reference["sha"]
+
+
+EVICT = """
+import json
+import tensorflow as tf
+import capuchin_tf
+from capuchin_tf import ops
+
+MiB = 1 << 20
+# Eight 8 MiB blocks laid out one after the other on a 72 MiB device; then the oldest (0) and two neighbours (5, 6)
+# go to the pool (their handles, small tensors, land in the free tail) and the others stay in use.
+blocks = [tf.fill([2 * MiB], float(i)) for i in range(8)]
+handles = {i: ops.hold(blocks[i], f"p{i}") for i in (0, 5, 6)}
+for i in (0, 5, 6):
+    blocks[i] = None
+before = ops.host_store_stats()
+ops.set_passive_mode(True)
+try:
+    big = tf.fill([4 * MiB], 9.0)  # 16 MiB: only evicting 5 and 6, which are adjacent, makes room
+finally:
+    ops.set_passive_mode(False)
+after = ops.host_store_stats()
+big_value = float(tf.reduce_min(big))
+del big
+values = {i: float(tf.reduce_max(ops.get(h, tf.float32, [2 * MiB]))) for i, h in handles.items()}
+print(json.dumps({"evicted": after["passive_evicted_bytes"] - before["passive_evicted_bytes"],
+                  "evictions": after["passive_evictions"] - before["passive_evictions"],
+                  "big": big_value, "values": values}))
+"""
+
+
+def test_passive_eviction_frees_one_contiguous_run_of_the_fewest_bytes(simulated_device):
+    """An allocation needs one free chunk: eviction picks the pooled tensors whose chunks, with the free ones around
+    them, make a run large enough, evicting the fewest bytes (not the oldest tensors until enough bytes in total,
+    which here would evict block 0 for nothing)."""
+    r = simulated_device(EVICT, limit_mb=72)
+    assert r["big"] == 9.0
+    assert r["evicted"] == 16 * (1 << 20) and r["evictions"] == 2, r
+    assert r["values"] == {"0": 0.0, "5": 5.0, "6": 6.0}

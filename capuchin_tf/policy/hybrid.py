@@ -25,7 +25,7 @@ import dataclasses
 import time
 
 from capuchin_tf.device_model import DeviceModel
-from capuchin_tf.plan import Plan
+from capuchin_tf.plan import ON_DEMAND, Plan
 from capuchin_tf.policy.candidates import CandidatePair, candidate_pairs, make_context, recompute_pair
 from capuchin_tf.policy.common import finalize, fits, swap_decision
 from capuchin_tf.policy.recompute import (
@@ -35,6 +35,7 @@ from capuchin_tf.policy.recompute import (
     Residency,
     assemble,
     move_early,
+    replay_extra_bytes,
 )
 from capuchin_tf.policy.swap import SwapOption, SwapPlanner
 from capuchin_tf.simulator import InfeasiblePlanError, simulate
@@ -301,6 +302,34 @@ class _Hybrid:
                     dropped = True
         return dropped
 
+    def undo_replay_at_peak(self, decisions, sim) -> bool:
+        """Beyond the paper: a predicted peak inside an on-demand replay (between the op before the back-access and
+        the back-access itself) can be of the replay's own making: rebuilding the target needs intermediates (a
+        log-softmax needs its 20 MiB logits back) at a moment where memory is already high. The target whose replay
+        there holds the most besides itself is taken back (it stays on the device, and may still be swapped).
+        True if one was."""
+        if self.rs is None:
+            return False
+        pos = _peak_op_pos(sim)
+        if sim.peak_time >= sim.op_start[pos] or (pos > 0 and sim.peak_time < sim.op_end[pos - 1]):
+            return False  # the peak is inside an op, not in the work inserted before it
+        idx = self.idx
+        best, best_extra = None, 0
+        for d in decisions:
+            if (d.kind != "recompute" or not d.replay_ops or d.trigger_mode != ON_DEMAND
+                    or d.tensor not in self.rs.chosen or idx.pos[d.back_access.op] != pos):
+                continue
+            extra = replay_extra_bytes(idx, tuple(idx.pos[o] for o in d.replay_ops), d.tensor)
+            if extra > best_extra:
+                best, best_extra = d.tensor, extra
+        if best is None:
+            return False
+        self.rs.unchoose(best)
+        self.taken.discard(best)
+        self.recompute_pairs.pop(best, None)
+        self.reasons.pop(best, None)
+        return True
+
     def floor_at(self, pos: int) -> int:
         """A lower bound of the memory during op `pos` under any plan made of these candidates: the ideal level then,
         minus every candidate tensor with a pair spanning it."""
@@ -444,9 +473,9 @@ def hybrid(
         if fits(ctx, sim):
             break
         excess = sim.peak_bytes + ctx.margin - ctx.budget
-        if h.unkeep_at_peak(decisions, sim):
+        if h.unkeep_at_peak(decisions, sim) or h.cover_peak(_peak_op_pos(sim), excess):
             pass
-        elif not h.cover_peak(_peak_op_pos(sim), excess):
+        elif not h.undo_replay_at_peak(decisions, sim):
             if _report is not None:
                 _report["hopeless"] = h.floor_at(_peak_op_pos(sim)) + ctx.margin > ctx.budget
             reason = (

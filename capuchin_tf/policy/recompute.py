@@ -253,6 +253,19 @@ class RecomputeSelector:
             self._update_ext(s)
         return c
 
+    def unchoose(self, tid: str) -> None:
+        """Takes a chosen target back (it stays on the device) and it stops being a candidate: its replay raised the
+        predicted peak more than evicting it lowered it. Chosen targets whose chains ran through it keep them (a
+        chain through a resident tensor is still exact; the plan's replays are re-derived when it is assembled)."""
+        c = self.chosen.pop(tid)
+        self.order.remove(tid)
+        self.msps_at_pick.pop(tid, None)
+        self.res.evicted.pop(tid, None)
+        for s in c.srcs:
+            self.chosen_src_users.get(s, set()).discard(tid)
+        for s in c.srcs:
+            self._update_ext(s)
+
     def would_break(self, tid: str, ev_pos: int, back_pos: int, kind: str = SWAP_EVICTION) -> bool:
         """Would evicting `tid` over (ev_pos, back_pos) leave a chosen target with no exact way to be rebuilt, or
         with a replay holding more intermediates than memory allows (see max_replay_ratio)?"""

@@ -2,8 +2,10 @@
 
 #include "host_store.h"
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include <unistd.h>
 
@@ -11,6 +13,7 @@
 #include <string>
 
 #include "tensorflow/core/common_runtime/bfc_allocator.h"
+#include "xla/tsl/protobuf/bfc_memory_map.pb.h"
 #include "tensorflow/core/common_runtime/device_factory.h"
 #include "tensorflow/core/common_runtime/pool_allocator.h"
 #include "tensorflow/core/common_runtime/process_state.h"
@@ -48,7 +51,7 @@ double FragmentationFraction() {
   return 1.0 / 128;
 }
 
-Allocator* SimulatedDeviceAllocator() {
+tsl::BFCAllocator* SimulatedDeviceAllocator() {
   const char* use_bfc = std::getenv("TF_CPU_ALLOCATOR_USE_BFC");
   const char* limit_mb = std::getenv("TF_CPU_BFC_MEM_LIMIT_IN_MB");
   if (use_bfc == nullptr || std::string(use_bfc) != "true" || limit_mb == nullptr) return nullptr;
@@ -71,9 +74,10 @@ Allocator* SimulatedDeviceAllocator() {
 CapuchinAllocator* SharedWrapper() {
   static std::once_flag once;
   std::call_once(once, [] {
-    Allocator* base = SimulatedDeviceAllocator();
+    tsl::BFCAllocator* bfc = SimulatedDeviceAllocator();
+    Allocator* base = bfc;
     if (base == nullptr) base = ProcessState::singleton()->GetCPUAllocator(port::kNUMANoAffinity);
-    g_installed.store(new CapuchinAllocator(base));
+    g_installed.store(new CapuchinAllocator(base, bfc));
   });
   return g_installed.load();
 }
@@ -132,7 +136,7 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const A
     // evict pooled tensors that nobody else holds, and try again while eviction frees something.
     AllocationAttributes no_retry(false, attr.allocation_will_be_logged, attr.freed_by_func);
     ptr = base_->AllocateRaw(alignment, num_bytes, no_retry);
-    while (ptr == nullptr && HostStore::Global()->EvictFor(static_cast<int64_t>(num_bytes)) > 0) {
+    while (ptr == nullptr && HostStore::Global()->EvictFor(static_cast<int64_t>(num_bytes), ChunkMap()) > 0) {
       ptr = base_->AllocateRaw(alignment, num_bytes, no_retry);
     }
     // Nothing left to evict: the allocator's own wait-and-retry (up to 10 s) can only help if copies in flight are
@@ -147,6 +151,20 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const A
   if (ptr == nullptr) ptr = base_->AllocateRaw(alignment, num_bytes, attr);
   if (ptr != nullptr) allocations_.fetch_add(1, std::memory_order_relaxed);
   return ptr;
+}
+
+const std::vector<HostStore::ChunkSpan>* CapuchinAllocator::ChunkMap() {
+  if (bfc_ == nullptr) return nullptr;
+  const MemoryDump dump = bfc_->RecordMemoryMap();
+  thread_local std::vector<HostStore::ChunkSpan> chunks;
+  chunks.clear();
+  chunks.reserve(dump.chunk_size());
+  for (const MemChunk& c : dump.chunk()) {
+    chunks.push_back(HostStore::ChunkSpan{c.address(), static_cast<int64_t>(c.size()), c.in_use()});
+  }
+  std::sort(chunks.begin(), chunks.end(),
+            [](const HostStore::ChunkSpan& a, const HostStore::ChunkSpan& b) { return a.address < b.address; });
+  return &chunks;
 }
 
 void CapuchinAllocator::DeallocateRaw(void* ptr) {

@@ -11,15 +11,21 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <vector>
+
+#include "host_store.h"
 
 #include "tensorflow/core/framework/allocator.h"
+#include "xla/tsl/framework/bfc_allocator.h"
 
 namespace tensorflow {
 namespace capuchin {
 
 class CapuchinAllocator : public Allocator {
  public:
-  explicit CapuchinAllocator(Allocator* base) : base_(base) {}
+  // `bfc`: the same allocator as `base` when it is the simulated device's BFC (its memory map guides passive
+  // eviction), else nullptr.
+  explicit CapuchinAllocator(Allocator* base, tsl::BFCAllocator* bfc = nullptr) : base_(base), bfc_(bfc) {}
 
   // The one wrapper shared by every CPU device the factory creates (nullptr until TensorFlow created its devices).
   static CapuchinAllocator* Installed();
@@ -45,7 +51,11 @@ class CapuchinAllocator : public Allocator {
   AllocatorMemoryType GetMemoryType() const override { return base_->GetMemoryType(); }
 
  private:
+  // The simulated device's memory map in address order (a buffer reused per thread), or nullptr.
+  const std::vector<HostStore::ChunkSpan>* ChunkMap();
+
   Allocator* const base_;
+  tsl::BFCAllocator* const bfc_;
   std::atomic<int64_t> allocations_{0};
   std::atomic<int64_t> deallocations_{0};
 };

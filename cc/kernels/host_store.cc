@@ -231,7 +231,57 @@ void HostStore::LogWait(const Entry& e) {
   stalls_.push_back(Stall{e.wait_start_ns, now, e.bytes, 2, e.name});
 }
 
-int64_t HostStore::EvictFor(int64_t bytes_needed) {
+namespace {
+
+// The cheapest window of `chunks` (address order) made only of free chunks and chunks in `evictable` (address ->
+// bytes), contiguous in memory, whose sizes add up to `need`: its evictable addresses. Empty when there is none, or
+// when the cheapest needs no eviction (a free chunk that large exists: another thread freed it meanwhile). Windows
+// ending at each chunk are shrunk from the left while still large enough; costs are non-negative, so that is the
+// cheapest window ending there.
+std::vector<uint64_t> CheapestWindow(const std::vector<HostStore::ChunkSpan>& chunks,
+                                     const std::unordered_map<uint64_t, int64_t>& evictable, int64_t need) {
+  std::vector<uint64_t> best;
+  int64_t best_cost = -1;
+  size_t i = 0;
+  int64_t sum = 0, cost = 0;
+  auto cost_of = [&](const HostStore::ChunkSpan& c) -> int64_t {
+    if (!c.in_use) return 0;
+    auto it = evictable.find(c.address);
+    return it == evictable.end() ? -1 : c.size;
+  };
+  for (size_t j = 0; j < chunks.size(); j++) {
+    const int64_t cj = cost_of(chunks[j]);
+    const bool contiguous =
+        j > 0 && i < j && chunks[j - 1].address + static_cast<uint64_t>(chunks[j - 1].size) == chunks[j].address;
+    if (cj < 0 || !contiguous) {  // an in-use chunk nobody can evict, or a region boundary: start afresh
+      i = cj < 0 ? j + 1 : j;
+      sum = cj < 0 ? 0 : chunks[j].size;
+      cost = cj < 0 ? 0 : cj;
+    } else {
+      sum += chunks[j].size;
+      cost += cj;
+    }
+    if (cj < 0) continue;
+    while (i < j && sum - chunks[i].size >= need) {
+      sum -= chunks[i].size;
+      cost -= cost_of(chunks[i]);
+      i++;
+    }
+    if (sum >= need && (best_cost < 0 || cost < best_cost)) {
+      best_cost = cost;
+      best.clear();
+      for (size_t k = i; k <= j; k++) {
+        if (chunks[k].in_use) best.push_back(chunks[k].address);
+      }
+    }
+  }
+  if (best_cost <= 0) best.clear();
+  return best;
+}
+
+}  // namespace
+
+int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks) {
   const int64_t start = NowNs();
   std::vector<std::shared_ptr<Entry>> chosen;
   std::vector<Tensor> drop;
@@ -264,14 +314,29 @@ int64_t HostStore::EvictFor(int64_t bytes_needed) {
     std::sort(prefetched.begin(), prefetched.end(),
               [](const std::shared_ptr<Entry>& a, const std::shared_ptr<Entry>& b) { return a->handle > b->handle; });
     evictable.insert(evictable.end(), prefetched.begin(), prefetched.end());
+    if (chunks != nullptr) {
+      std::unordered_map<uint64_t, int64_t> by_address;
+      std::unordered_map<uint64_t, std::shared_ptr<Entry>> entry_at;
+      for (const auto& e : evictable) {
+        const uint64_t a = reinterpret_cast<uint64_t>(e->device.tensor_data().data());
+        by_address[a] = e->bytes;
+        entry_at[a] = e;
+      }
+      // BFC rounds every request up to a multiple of 256 bytes.
+      const int64_t need = (bytes_needed + 255) / 256 * 256;
+      for (uint64_t a : CheapestWindow(*chunks, by_address, need)) {
+        chosen.push_back(entry_at[a]);
+        freed += entry_at[a]->bytes;
+      }
+    }
     for (const auto& e : evictable) {
+      if (!chosen.empty()) break;  // the window is chosen
       if (e->bytes >= bytes_needed && e->bytes <= 2 * bytes_needed) {
         chosen.push_back(e);
         freed = e->bytes;
-        break;
       }
     }
-    if (chosen.empty()) {
+    if (chosen.empty()) {  // no map, or no window: the oldest ones until enough bytes
       for (const auto& e : evictable) {
         if (freed >= bytes_needed) break;
         chosen.push_back(e);
@@ -302,6 +367,22 @@ int64_t HostStore::EvictFor(int64_t bytes_needed) {
       }
     }
     if (freed > 0) stalls_.push_back(Stall{start, NowNs(), freed, 0, ""});
+    if (std::getenv("CAPUCHIN_TF_TRACE_EVICT") != nullptr) {
+      std::string names;
+      for (const auto& e : chosen) names += " " + e->name + "(" + std::to_string(e->bytes) + ")";
+      std::string map;
+      if (chunks != nullptr && !chunks->empty()) {
+        std::unordered_map<uint64_t, std::string> pooled_at;
+        for (const auto& e : evictable) pooled_at[reinterpret_cast<uint64_t>(e->device.tensor_data().data())] = e->name;
+        for (const auto& c : *chunks) {
+          auto it = pooled_at.find(c.address);
+          map += " [" + std::to_string(c.address - chunks->front().address) + "+" + std::to_string(c.size) +
+                 (c.in_use ? (it != pooled_at.end() ? " " + it->second : " used") : " free") + "]";
+        }
+      }
+      LOG(WARNING) << "capuchin: EvictFor(" << bytes_needed << ") evictable " << evictable.size() << " freed " << freed
+                   << ":" << names << (map.empty() ? "" : "; chunks:" + map);
+    }
     if (freed == 0 && std::getenv("CAPUCHIN_TF_DEBUG_EVICT") != nullptr) {
       int64_t in = 0, in_shared = 0;
       for (const auto& kv : entries_) {

@@ -97,7 +97,15 @@ class HostStore {
   // that the allocation is attributed to the Get op in the profiler's memory events).
   using AllocateFn = std::function<absl::Status(DataType, const TensorShape&, Tensor*)>;
   absl::Status Get(int64_t handle, const AllocateFn& allocate, DataType expected_dtype, Tensor* out);
-  int64_t EvictFor(int64_t bytes_needed);
+  // `chunks`, when the allocator can tell (the simulated device's BFC), is its memory map in address order: then
+  // the pooled tensors evicted are those of the contiguous run of free and evictable chunks that is large enough and
+  // holds the fewest evictable bytes (an allocation needs one free chunk, not free bytes in total).
+  struct ChunkSpan {
+    uint64_t address;
+    int64_t size;
+    bool in_use;
+  };
+  int64_t EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks = nullptr);
   void SetPassive(bool enabled) { passive_.store(enabled); }
   bool passive() const { return passive_.load(); }
   std::vector<Stall> DrainStalls();

@@ -238,3 +238,29 @@ def test_replays_move_into_idle_gaps_when_that_hides_them_and_memory_allows():
         assert v.acc_pos[d.evicted_access.index] < idx.pos[d.trigger.op] < v.acc_pos[d.back_access.index]
     assert early.predicted_step_s < paper.predicted_step_s
     assert early.predicted_peak_bytes <= budget
+
+
+def test_a_recomputation_whose_replay_makes_the_peak_is_taken_back():
+    """A log-softmax whose replay needs its logits back, where memory is already high (the transformer's masked-LM
+    head, docs/policy.md): greedy picks it first (cheap, large), its replay before the gather becomes the predicted
+    peak, and nothing else can be off the device there. Taking it back and evicting other tensors fits."""
+    M = 1 << 20
+    b = synthetic.TraceBuilder()
+    w = b.persistent("w", M // 4)
+    (h,) = b.op("h", "MatMul", [w], [M], duration=1e-2)
+    (big,) = b.op("big", "MatMul", [w], [4 * M], duration=1e-2)
+    (logits,) = b.op("logits", "MatMul", [h, w], [20 * M])
+    (ls,) = b.op("ls", "LogSoftmax", [logits], [20 * M])
+    (e,) = b.op("exp", "Exp", [ls], [20 * M])
+    (m,) = b.op("mul", "Mul", [e], [20 * M])
+    (z,) = b.op("z", "Mul", [big, m], [2 * M])
+    (g,) = b.op("gather", "GatherV2", [ls, z], [4096])
+    (out,) = b.op("end", "AddN", [h, g, m], [4096])
+    trace = b.build(keep_alive=[out])
+    budget = 62 * M
+    assert trace.peak_bytes > budget
+    plan = make_plan(trace, budget, "recompute-only", NATIVE)
+    assert plan.feasible, plan.reason
+    assert simulate(trace, plan).peak_bytes <= budget
+    recomputed = {d.tensor for d in plan.decisions}
+    assert ls not in recomputed and big in recomputed
