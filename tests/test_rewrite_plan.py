@@ -48,7 +48,8 @@ def test_guided_steps_follow_the_plan_and_give_plain_tensorflows_bits(plain, pol
     dtypes = {t: v.dtype.name for t, v in tensors.items()}
     shapes = {t: tuple(-1 if x is None else x for x in v.shape.as_list()) for t, v in tensors.items()}
     rewritten = rewrite.apply_plan(optimized, plan, trace, dtypes, shapes)
-    names = {n.name for n in rewritten.node}
+    # Views read through are cloned under the inserted node's name (`<name>/view/<view op>`): not counted here.
+    names = {n.name for n in rewritten.node if "/view/" not in n.name}
     assert sum(n.startswith("capuchin/swap_out/") for n in names) == len(plan.swaps)
     assert sum(n.startswith("capuchin/swap_in/") for n in names) == len(plan.swaps)
     assert (sum(n.startswith("capuchin/recompute/") for n in names)

@@ -101,3 +101,44 @@ def test_passive_eviction_frees_one_contiguous_run_of_the_fewest_bytes(simulated
     assert r["big"] == 9.0
     assert r["evicted"] == 16 * (1 << 20) and r["evictions"] == 2, r
     assert r["values"] == {"0": 0.0, "5": 5.0, "6": 6.0}
+
+
+CONCURRENT_GETS = """
+import json
+import tensorflow as tf
+from capuchin_tf import ops
+
+N = 16 * 1024 * 1024  # 64 MiB of float32
+tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})  # no merging of the identical Gets
+handle = ops.hold(tf.fill([N], 3.0), "big")
+filler = tf.fill([N * 7 - 1024], 1.0)  # the rest of the 512 MiB device, but 4 KiB
+ops.set_passive_mode(True)
+try:
+    pressure = tf.fill([N // 2], 1.0)  # 32 MiB: room only where the pooled tensor is, which is evicted
+finally:
+    ops.set_passive_mode(False)
+del pressure, filler
+evicted = ops.host_store_stats()["passive_evictions"]
+
+def readers(h):
+    # Several readers of one evicted tensor, each through its own Get, free to run at once on the inter-op threads
+    # (a v1-style graph: no automatic control edges between the stateful Gets, as in the rewritten steps).
+    outs = []
+    for _ in range(6):
+        x = ops.get(h, tf.float32, [N])
+        outs.append(tf.stack([tf.reduce_min(x), tf.reduce_max(x)]))
+    return tf.stack(outs)
+
+readers = tf.compat.v1.wrap_function(readers, [tf.TensorSpec([], tf.variant)])
+values = [readers(handle).numpy().tolist()]
+print(json.dumps({"evicted": evicted, "values": values, "swap_ins": ops.host_store_stats()["passive_swap_ins"]}))
+"""
+
+
+def test_readers_of_one_evicted_tensor_share_one_swap_in(simulated_device):
+    """Gets of the same evicted tensor on several inter-op threads: one brings it back, the others wait for it (they
+    used to copy from the host buffer the first one frees: wrong bits, or a segmentation fault)."""
+    r = simulated_device(CONCURRENT_GETS, limit_mb=512, env={"TF_NUM_INTEROP_THREADS": "6"})
+    assert r["evicted"] == 1
+    assert r["values"] == [[[3.0, 3.0]] * 6]
+    assert r["swap_ins"] == 1

@@ -184,7 +184,7 @@ int64_t HostStore::Hold(const Tensor& tensor, const std::string& name) {
 absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType expected_dtype, Tensor* out) {
   std::shared_ptr<Entry> e;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     auto it = entries_.find(handle);
     if (it == entries_.end() || !it->second->pooled) {
       return errors::InvalidArgument("Capuchin>Get: unknown or released pool handle ", handle);
@@ -194,11 +194,14 @@ absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType
       return errors::InvalidArgument("Capuchin>Get: handle ", handle, " ('", e->name, "') holds ",
                                      DataTypeString(e->dtype), ", not ", DataTypeString(expected_dtype));
     }
+    // Another Get (another reader of the same tensor, on another inter-op thread) is bringing it back: wait for it.
+    // Going on would copy from the host buffer that Get frees when it is done.
+    get_cv_.wait(lock, [&e] { return e->state != Residency::kSwappingIn; });
     if (e->state == Residency::kIn) {
       *out = e->device;
       return absl::OkStatus();
     }
-    e->state = Residency::kSwappingIn;  // claimed: eviction skips it, a concurrent Get waits below
+    e->state = Residency::kSwappingIn;  // claimed: eviction skips it, a concurrent Get waits above
   }
   // Evicted: bring it back synchronously (the paper's access failure). Allocate outside the lock: the allocation
   // may itself evict other pooled tensors.
@@ -209,6 +212,7 @@ absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType
     std::lock_guard<std::mutex> lock(mu_);
     e->state = Residency::kOut;
     counters_.failed_swap_ins++;
+    get_cv_.notify_all();
     return errors::ResourceExhausted("Capuchin>Get: OOM when allocating ", e->bytes, " bytes to bring back '",
                                      e->name, "': ", allocated.message());
   }
@@ -217,6 +221,7 @@ absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType
   FreeHostBuffer(e.get());
   e->device = tensor;
   e->state = Residency::kIn;
+  get_cv_.notify_all();
   counters_.passive_swap_ins++;
   counters_.swap_ins++;
   counters_.bytes_in += e->bytes;

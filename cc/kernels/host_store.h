@@ -145,6 +145,7 @@ class HostStore {
 
   std::mutex mu_;
   std::condition_variable out_cv_, in_cv_;
+  std::condition_variable get_cv_;  // a Get that found its entry being brought back by another Get waits here
   std::unordered_map<int64_t, std::shared_ptr<Entry>> entries_;
   std::deque<std::shared_ptr<Entry>> out_queue_, in_queue_;
   int64_t next_handle_ = 1;
