@@ -263,7 +263,6 @@ class RecomputeSelector:
         self.res.evicted.pop(tid, None)
         for s in c.srcs:
             self.chosen_src_users.get(s, set()).discard(tid)
-        for s in c.srcs:
             self._update_ext(s)
 
     def would_break(self, tid: str, ev_pos: int, back_pos: int, kind: str = SWAP_EVICTION) -> bool:

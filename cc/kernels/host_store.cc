@@ -238,21 +238,20 @@ void HostStore::LogWait(const Entry& e) {
 
 namespace {
 
-// The cheapest window of `chunks` (address order) made only of free chunks and chunks in `evictable` (address ->
-// bytes), contiguous in memory, whose sizes add up to `need`: its evictable addresses. Empty when there is none, or
+// The cheapest window of `chunks` (address order) made only of free chunks and chunks at an `evictable` address,
+// contiguous in memory, whose sizes add up to `need`: its evictable addresses. Empty when there is none, or
 // when the cheapest needs no eviction (a free chunk that large exists: another thread freed it meanwhile). Windows
 // ending at each chunk are shrunk from the left while still large enough; costs are non-negative, so that is the
 // cheapest window ending there.
 std::vector<uint64_t> CheapestWindow(const std::vector<HostStore::ChunkSpan>& chunks,
-                                     const std::unordered_map<uint64_t, int64_t>& evictable, int64_t need) {
+                                     const std::function<bool(uint64_t)>& evictable, int64_t need) {
   std::vector<uint64_t> best;
   int64_t best_cost = -1;
   size_t i = 0;
   int64_t sum = 0, cost = 0;
   auto cost_of = [&](const HostStore::ChunkSpan& c) -> int64_t {
     if (!c.in_use) return 0;
-    auto it = evictable.find(c.address);
-    return it == evictable.end() ? -1 : c.size;
+    return evictable(c.address) ? c.size : -1;
   };
   for (size_t j = 0; j < chunks.size(); j++) {
     const int64_t cj = cost_of(chunks[j]);
@@ -319,17 +318,14 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
     std::sort(prefetched.begin(), prefetched.end(),
               [](const std::shared_ptr<Entry>& a, const std::shared_ptr<Entry>& b) { return a->handle > b->handle; });
     evictable.insert(evictable.end(), prefetched.begin(), prefetched.end());
+    // Where each evictable tensor's buffer starts (taken before anything is evicted; the trace below names them).
+    std::unordered_map<uint64_t, std::shared_ptr<Entry>> entry_at;
+    for (const auto& e : evictable) entry_at[reinterpret_cast<uint64_t>(e->device.tensor_data().data())] = e;
     if (chunks != nullptr) {
-      std::unordered_map<uint64_t, int64_t> by_address;
-      std::unordered_map<uint64_t, std::shared_ptr<Entry>> entry_at;
-      for (const auto& e : evictable) {
-        const uint64_t a = reinterpret_cast<uint64_t>(e->device.tensor_data().data());
-        by_address[a] = e->bytes;
-        entry_at[a] = e;
-      }
       // BFC rounds every request up to a multiple of 256 bytes.
       const int64_t need = (bytes_needed + 255) / 256 * 256;
-      for (uint64_t a : CheapestWindow(*chunks, by_address, need)) {
+      const auto is_evictable = [&entry_at](uint64_t a) { return entry_at.count(a) > 0; };
+      for (uint64_t a : CheapestWindow(*chunks, is_evictable, need)) {
         chosen.push_back(entry_at[a]);
         freed += entry_at[a]->bytes;
       }
@@ -377,12 +373,10 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
       for (const auto& e : chosen) names += " " + e->name + "(" + std::to_string(e->bytes) + ")";
       std::string map;
       if (chunks != nullptr && !chunks->empty()) {
-        std::unordered_map<uint64_t, std::string> pooled_at;
-        for (const auto& e : evictable) pooled_at[reinterpret_cast<uint64_t>(e->device.tensor_data().data())] = e->name;
         for (const auto& c : *chunks) {
-          auto it = pooled_at.find(c.address);
+          auto it = entry_at.find(c.address);
           map += " [" + std::to_string(c.address - chunks->front().address) + "+" + std::to_string(c.size) +
-                 (c.in_use ? (it != pooled_at.end() ? " " + it->second : " used") : " free") + "]";
+                 (c.in_use ? (it != entry_at.end() ? " " + it->second->name : " used") : " free") + "]";
         }
       }
       LOG(WARNING) << "capuchin: EvictFor(" << bytes_needed << ") evictable " << evictable.size() << " freed " << freed
