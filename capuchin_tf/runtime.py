@@ -16,7 +16,8 @@ evicted on demand (the baselines swap-all and checkpoint run their plans alone).
 copy of the variables the step writes (by default every step; with `protect_steps=N`, the N steps after each plan
 change); an out-of-memory error restores them and retries the step with a tighter plan (the planner's model does not
 see BFC fragmentation, and copies and prefetches vary in timing from step to step, so a plan that fitted can fail
-later); after `max_retries` tries the step runs in passive mode (the measured step's mechanism, which completed under
+later; a tighter plan is one that fits a tighter budget, never one predicted higher than the plan that failed, else
+the same plan runs again: ManagedStep._tighten); after `max_retries` tries the step runs in passive mode (the measured step's mechanism, which completed under
 the budget; `passive_rescue = False` raises instead) and the next steps go on with the tightened plan. Without a
 copy, the guided graph being pinned to one order
 (schedule.guided_order), the ops before a failing op are exactly the ones that ran: an out-of-memory error before the
@@ -51,13 +52,14 @@ from capuchin_tf.trace import AccessTrace
 
 DEVICE = "CPU:0"
 TIGHTEN = 0.95  # a guided step over budget, or out of memory, re-plans for this fraction of the budget in use
+TIGHTEN_PROBES = 3  # if no plan fits that budget: plans bisecting toward the current one (ManagedStep._tighten)
 # The plain step runs unrewritten when the measured step evicted nothing and peaked under this fraction of the budget
 # (the plain executor's own order can peak higher than the measured one: 77 against 68 MiB on the cnn at batch 32).
 NOTHING_TO_SAVE = 0.85
 CAPUCHIN_POLICIES = frozenset({"capuchin", "swap-only", "recompute-only"})
 
 
-MEASURED_RETRIES = 1  # runs of the measured step after an out-of-memory error (ManagedStep._measured)
+MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, after an out-of-memory error
 
 
 def oom_line(error: Exception) -> str:
@@ -112,6 +114,7 @@ class SignatureState:
     # guided step's time without its waits for copies (recomputation included, so an underestimate).
     speedup: float = 1.0
     protected_steps: int = 0  # guided steps left that run with a host snapshot of `written` (after a plan change)
+    untightenable_at: int = 0  # a plan budget for which no tighter plan was found (not searched again)
 
 
 class ManagedStep:
@@ -360,7 +363,7 @@ class ManagedStep:
                     # under this budget), then back to the tightened plan.
                     if not self.passive_rescue:
                         raise self._failure(state, e, rescue_off=True) from e
-                    return self._passive(state, args, retried, e)
+                    return self._passive(state, args, retried, e, snapshot)
                 self._tighten(state, args, reason="out of memory")
                 continue
             snapshot = None
@@ -431,24 +434,38 @@ class ManagedStep:
             del held
         return True
 
-    def _passive(self, state: SignatureState, args, retried: int, error):
-        if self.verbose:
-            print("capuchin_tf: out of memory again; running this step in passive mode; device memory in use "
-                  f"{tf.config.experimental.get_memory_info(DEVICE)['current'] / 2**20:.1f} MiB", flush=True)
+    def _passive(self, state: SignatureState, args, retried: int, error, snapshot: list | None):
+        """The last resort for a guided step: the step in passive mode (the measured step's mechanism). Like the
+        measured step, it runs once more after an out-of-memory error, its written variables restored first, if a
+        host copy of them was taken: where it fails depends on BFC fragmentation, which varies from run to run (seen
+        on the transformer at 83 MiB, swap-only: a passive run failed on a 20 MiB tensor with 43 MiB free, in pieces
+        split by small chunks in use, where other passive runs from the same state completed)."""
         if state.passive_fn is None:
             state.passive_fn = profile.passive_step(state.concrete, args)
         tf.config.experimental.reset_memory_stats(DEVICE)
         t0 = time.perf_counter()
-        ops.set_passive_mode(True)
-        try:
-            outputs = rewrite.call_without_grappler(state.passive_fn, *args)
-        except tf.errors.ResourceExhaustedError as e:
-            raise self._failure(state, e, passive=True) from error
-        finally:
-            ops.set_passive_mode(False)
-            ops.drain_stalls()
+        reruns = 0
+        while True:
+            if self.verbose:
+                print(f"capuchin_tf: out of memory {'again' if not reruns else 'in passive mode'}; running this step "
+                      f"in passive mode; device memory in use "
+                      f"{tf.config.experimental.get_memory_info(DEVICE)['current'] / 2**20:.1f} MiB", flush=True)
+            ops.set_passive_mode(True)
+            try:
+                outputs = rewrite.call_without_grappler(state.passive_fn, *args)
+                break
+            except tf.errors.ResourceExhaustedError as e:
+                failure = e
+            finally:
+                ops.set_passive_mode(False)
+                ops.drain_stalls()
+            if snapshot is None or reruns >= MEASURED_RETRIES:
+                raise self._failure(state, failure, passive=True) from error
+            self._restore(state, snapshot)
+            reruns += 1
         state.history.append(StepRecord("passive", time.perf_counter() - t0,
-                                        tf.config.experimental.get_memory_info(DEVICE)["peak"], retried=retried))
+                                        tf.config.experimental.get_memory_info(DEVICE)["peak"],
+                                        retried=retried + reruns))
         state.steps_since_change = 0
         return outputs
 
@@ -487,22 +504,61 @@ class ManagedStep:
         return CapuchinError(f"capuchin_tf: out of memory under a budget of {self.budget_bytes} bytes {what}. "
                              f"TensorFlow said: {oom_line(error)}")
 
-    def _tighten(self, state: SignatureState, args, reason: str) -> None:
-        budget = int((state.plan_budget or self.budget_bytes or state.trace.peak_bytes) * TIGHTEN)
+    def _tighten(self, state: SignatureState, args, reason: str) -> bool:
+        """Re-plans for a tighter budget after an out-of-memory error or a peak over the budget; True if the plan
+        changed.
+
+        The policies are greedy, so a plan for a tighter budget can be worse than the one that failed (dropout-bn
+        at 106 MiB: the plan for 106 MiB was predicted at 105.1 MiB, the one for 100.7 MiB at 134.6 MiB, not
+        feasible, and every guided step ran out of memory after it). So the tightest budget of TIGHTEN, then
+        bisection toward the current one (TIGHTEN_PROBES plans), whose plan fits is taken; if none fits, the
+        lowest predicted peak, if below the current plan's; else the current plan stays and the step is retried as
+        it is (what failed may have been a copy's timing or BFC fragmentation, which vary from step to step).
+        """
+        current = state.plan_budget or self.budget_bytes or state.trace.peak_bytes
+        target = int(current * TIGHTEN)
         if self.verbose:
-            print(f"capuchin_tf: {reason}; re-planning for {budget} bytes", flush=True)
-        plan = make_plan(state.trace, budget, self.policy, self._device_model(state.trace, state),
-                         **self.policy_options)
+            print(f"capuchin_tf: {reason}; re-planning for {target} bytes", flush=True)
+        if state.plan is not None and state.untightenable_at == current:
+            if self.verbose:
+                print("capuchin_tf: no tighter plan fits (found before); retrying the current plan", flush=True)
+            return False
+        device_model = self._device_model(state.trace, state)
+
+        def plan_for(budget: int) -> Plan:
+            return make_plan(state.trace, budget, self.policy, device_model, **self.policy_options)
+
+        tried = [(target, plan_for(target))]
+        if not tried[0][1].feasible and state.plan is not None:
+            lo, hi = target, current  # lo: no plan fits; hi: the plan that failed
+            for _ in range(TIGHTEN_PROBES):
+                mid = (lo + hi) // 2
+                tried.append((mid, plan_for(mid)))
+                if tried[-1][1].feasible:
+                    hi = mid
+                else:
+                    lo = mid
         state.replans += 1
+        fitting = [(b, p) for b, p in tried if p.feasible]
+        if fitting:
+            budget, plan = min(fitting, key=lambda bp: bp[0])
+        else:
+            budget, plan = min(tried, key=lambda bp: bp[1].predicted_peak_bytes)
+            if state.plan is not None and plan.predicted_peak_bytes >= state.plan.predicted_peak_bytes:
+                state.untightenable_at = current
+                if self.verbose:
+                    print(f"capuchin_tf: no tighter plan fits (best predicted peak "
+                          f"{plan.predicted_peak_bytes / 2**20:.1f} MiB); retrying the current plan", flush=True)
+                return False
         self._install(state, args, plan, budget)
+        return True
 
     def _adjust(self, state: SignatureState, args, late: Mapping[str, float], early: list[str], peak: int) -> bool:
         """Feedback after a guided step; True when the plan changed (and the step was rewritten)."""
         if state.plan is None or state.replans >= self.max_replans:
             return False
         if self.budget_bytes is not None and peak > self.budget_bytes and state.fn is not None:
-            self._tighten(state, args, reason=f"peak {peak} over the budget")
-            return True
+            return self._tighten(state, args, reason=f"peak {peak} over the budget")
         if not late and not early:
             return False
         # A prefetch evicted again before its use came too early for the memory there: its trigger moves later
