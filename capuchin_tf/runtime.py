@@ -17,9 +17,10 @@ copy of the variables the step writes (by default every step; with `protect_step
 change); an out-of-memory error restores them and retries the step with a tighter plan (the planner's model does not
 see BFC fragmentation, and copies and prefetches vary in timing from step to step, so a plan that fitted can fail
 later; a tighter plan is one that fits a tighter budget, never one predicted higher than the plan that failed, else
-the same plan runs again: ManagedStep._tighten); after `max_retries` tries the step runs in passive mode (the measured step's mechanism, which completed under
-the budget; `passive_rescue = False` raises instead) and the next steps go on with the tightened plan. Without a
-copy, the guided graph being pinned to one order
+the same plan runs again: ManagedStep._tighten); after `max_retries` tries the step runs in passive mode (the
+measured step's mechanism, which completed under the budget; run once more, the variables restored, if it runs out of
+memory; `passive_rescue = False` raises instead) and the next steps go on with the tightened plan. Without a copy,
+the guided graph being pinned to one order
 (schedule.guided_order), the ops before a failing op are exactly the ones that ran: an out-of-memory error before the
 first variable write is retried the same way; after it, the step fails with a message saying that updates may be
 partial, never repeating one. A step that cannot be rewritten runs as plain
