@@ -63,12 +63,6 @@ CAPUCHIN_POLICIES = frozenset({"capuchin", "swap-only", "recompute-only"})
 MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, after an out-of-memory error
 
 
-def same_bits(a, b) -> bool:
-    """Whether two arrays hold the same bytes (NaN payloads and signed zeros included)."""
-    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
 def oom_line(error: Exception) -> str:
     """The line of an error's message that says what could not be allocated (else its first line), at most 300
     characters: what the CLIs and CapuchinError quote."""
@@ -430,16 +424,7 @@ class ManagedStep:
         return [np.array(v.numpy(), copy=True) for v in state.written]
 
     def _restore(self, state: SignatureState, snapshot: list) -> bool:
-        """Puts back the host copy of each written variable whose value differs from it (True).
-
-        Only those: an assignment can give the variable a new device buffer, wherever free memory is, and the old
-        one leaves a hole. Seen on the transformer (BFC's dumps): each restore moved one of its 4 MiB tensors (the
-        embedding table and its Adam slots) above the persistent state, where plain steps moved none, and after
-        retries the largest free run was 58.6 MiB instead of 66.9, less than its head's three 20 MiB tensors. Most
-        out-of-memory errors come before the first variable write, and then nothing is assigned."""
         for v, value in zip(state.written, snapshot):
-            if same_bits(v.numpy(), value):
-                continue
             # A tensor made from a numpy array can keep the array's (host) memory, and the assignment can adopt it:
             # the variable would leave the device allocator (seen: ResNet50's 92.7 MiB of variables, then 0.6 MiB
             # in use). DeepCopy allocates the value on the device first; holding a reference to it while assigning
