@@ -70,6 +70,17 @@ def oom_line(error: Exception) -> str:
     return next((ln for ln in lines if "OOM when allocating" in ln), lines[0])[:300]
 
 
+_SMALL_POOL = False
+
+
+def _small_pool_on() -> None:
+    """Small tensors get a pool of their own from the first managed step on (ops.set_small_pool)."""
+    global _SMALL_POOL
+    if not _SMALL_POOL:
+        ops.set_small_pool(True)
+        _SMALL_POOL = True
+
+
 class CapuchinError(RuntimeError):
     """A managed step failed in a way capuchin_tf cannot recover from (the message says what was written)."""
 
@@ -184,6 +195,7 @@ class ManagedStep:
         if kwargs:
             raise TypeError("a capuchin_tf.function step takes positional arguments only; got keyword arguments "
                             f"{sorted(kwargs)}")
+        _small_pool_on()
         concrete = capture.concrete_step(self._fn, args)
         key = concrete.name if isinstance(concrete.name, str) else concrete.name.decode()
         state = self._states.get(key)
@@ -365,7 +377,7 @@ class ManagedStep:
                     if not self.passive_rescue:
                         raise self._failure(state, e, rescue_off=True) from e
                     return self._passive(state, args, retried, e, snapshot)
-                self._tighten(state, args, reason="out of memory")
+                self._tighten(state, args, reason=f"out of memory ({oom_line(e)})")
                 continue
             snapshot = None
             state.protected_steps = max(state.protected_steps - 1, 0)
