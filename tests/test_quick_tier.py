@@ -20,8 +20,8 @@ STEPS = 5
 # The transformer runs at 0.55: its masked-LM head needs three [640, 8192] float tensors at once (20 MiB each at
 # batch 32), so its floor is 77.1 MiB (the working set of the head's `sub_1` plus 17.1 MiB of persistent state), and
 # half its transient peak is 81-86 MiB as plain TensorFlow's peak varies from run to run (142-151 MiB). At 0.5 each
-# policy trained it bit for bit in most runs, but at 81 MiB recompute-only failed even in passive mode
-# (docs/results.md, fourth session).
+# policy trained it bit for bit in most runs, but swap-only's plan cannot keep the head under the budget over the
+# p100 link and leans on on-demand eviction, which depends on BFC's layout (docs/results.md, sixth session).
 MODELS = [("mlp", 2048, 0.5), ("cnn", 128, 0.5), ("dropout-bn", 128, 0.5), ("transformer", 32, 0.55)]
 POLICIES = ["capuchin", "swap-only", "recompute-only"]
 
