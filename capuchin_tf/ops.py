@@ -126,7 +126,7 @@ def set_passive_mode(enabled: bool) -> None:
 def set_small_pool(enabled: bool) -> None:
     """The device allocator wrapper's small-tensor pool (on the simulated device): when on, allocations of at most
     64 KiB come from a pool of their own, so that small tensors that live long do not split the memory large tensors
-    need (docs/decisions.md). capuchin_tf turns it on at its first managed step."""
+    need (docs/decisions.md). Every managed step turns it on."""
     _ops.capuchin_set_small_pool(tf.constant(bool(enabled)))
 
 

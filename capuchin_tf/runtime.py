@@ -70,17 +70,6 @@ def oom_line(error: Exception) -> str:
     return next((ln for ln in lines if "OOM when allocating" in ln), lines[0])[:300]
 
 
-_SMALL_POOL = False
-
-
-def _small_pool_on() -> None:
-    """Small tensors get a pool of their own from the first managed step on (ops.set_small_pool)."""
-    global _SMALL_POOL
-    if not _SMALL_POOL:
-        ops.set_small_pool(True)
-        _SMALL_POOL = True
-
-
 class CapuchinError(RuntimeError):
     """A managed step failed in a way capuchin_tf cannot recover from (the message says what was written)."""
 
@@ -195,7 +184,7 @@ class ManagedStep:
         if kwargs:
             raise TypeError("a capuchin_tf.function step takes positional arguments only; got keyword arguments "
                             f"{sorted(kwargs)}")
-        _small_pool_on()
+        ops.set_small_pool(True)  # small tensors get a pool of their own (the allocator's switch; one small op)
         concrete = capture.concrete_step(self._fn, args)
         key = concrete.name if isinstance(concrete.name, str) else concrete.name.decode()
         state = self._states.get(key)

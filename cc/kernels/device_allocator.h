@@ -28,7 +28,7 @@ class CapuchinAllocator : public Allocator {
   // `bfc`: the same allocator as `base` when it is the simulated device's BFC (its memory map guides passive
   // eviction), else nullptr.
   //
-  // `small_pool_bytes` > 0: once SetSmallPool(true) was called (capuchin_tf does at its first managed step), the
+  // `small_pool_bytes` > 0: once SetSmallPool(true) was called (every capuchin_tf managed step calls it), the
   // allocations of at most kSmallMaxBytes come from a pool of that size, one region taken from `bfc` at the first
   // such allocation (a BFC allocator of its own). The persistent state built before that stays where it was; plain
   // TensorFlow, which never calls it, runs on the device allocator alone. Small tensors that live long (LayerNorm and
