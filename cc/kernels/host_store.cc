@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <unordered_set>
 #include <utility>
 
 #include "tensorflow/core/framework/types.h"
@@ -319,18 +318,6 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
     std::sort(prefetched.begin(), prefetched.end(),
               [](const std::shared_ptr<Entry>& a, const std::shared_ptr<Entry>& b) { return a->handle > b->handle; });
     evictable.insert(evictable.end(), prefetched.begin(), prefetched.end());
-    if (chunks != nullptr) {
-      // A tensor whose buffer is not one of the map's chunks lives in the allocator wrapper's small-tensor pool:
-      // evicting it frees nothing the failed allocation could use.
-      std::unordered_set<uint64_t> starts;
-      for (const auto& c : *chunks) starts.insert(c.address);
-      evictable.erase(std::remove_if(evictable.begin(), evictable.end(),
-                                     [&starts](const std::shared_ptr<Entry>& e) {
-                                       return starts.count(
-                                                  reinterpret_cast<uint64_t>(e->device.tensor_data().data())) == 0;
-                                     }),
-                      evictable.end());
-    }
     // Where each evictable tensor's buffer starts (taken before anything is evicted; the trace below names them).
     std::unordered_map<uint64_t, std::shared_ptr<Entry>> entry_at;
     for (const auto& e : evictable) entry_at[reinterpret_cast<uint64_t>(e->device.tensor_data().data())] = e;
