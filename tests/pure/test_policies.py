@@ -1,6 +1,9 @@
 """The registered policies on synthetic traces: registry, plans the simulator accepts, the baselines' rules."""
 
+import gzip
+import json
 import math
+import pathlib
 
 import pytest
 from conftest import MB
@@ -13,6 +16,7 @@ from capuchin_tf.policy import POLICIES, UnknownPolicyError, get_policy, make_pl
 from capuchin_tf.policy.baselines import articulation_points
 from capuchin_tf.policy.candidates import candidate_pairs, make_context
 from capuchin_tf.simulator import check_decisions, simulate
+from capuchin_tf.trace import AccessTrace
 from capuchin_tf.trace_index import TraceIndex
 
 NATIVE = DeviceModel.from_link("native")
@@ -264,3 +268,35 @@ def test_a_recomputation_whose_replay_makes_the_peak_is_taken_back():
     assert simulate(trace, plan).peak_bytes <= budget
     recomputed = {d.tensor for d in plan.decisions}
     assert ls not in recomputed and big in recomputed
+
+
+@pytest.mark.parametrize("policy", ["swap-only", "capuchin"])
+@pytest.mark.parametrize("fraction", [0.5, 0.7])
+def test_a_swap_is_chosen_only_if_its_swap_out_can_end_before_its_back_access(trace, policy, fraction):
+    """Otherwise the bytes are off the device only while the step stalls for them: no op runs with less memory,
+    and the copy holds the link."""
+    _assert_swap_outs_end_before_back_accesses(make_plan(trace, synthetic.budget_fraction(trace, fraction), policy,
+                                                         DeviceModel.from_link("p100", trace)), trace)
+
+
+def _assert_swap_outs_end_before_back_accesses(plan, trace):
+    idx = TraceIndex(trace)
+    for d in plan.swaps:
+        ev_end = idx.end[idx.pos[d.evicted_access.op]]
+        assert ev_end + d.swap_out_s < d.back_access.time, (d.tensor, ev_end, d.swap_out_s, d.back_access.time)
+
+
+MEASURED_TRANSFORMER = (pathlib.Path(__file__).parents[2] / "docs" / "results" / "traces"
+                        / "2026-11-30-transformer_b32_measured_89mib.json.gz")
+
+
+def test_the_transformer_gradient_of_the_masked_lm_gather_is_not_swapped_over_the_p100_link():
+    """The measured transformer (batch 32, at 89 MiB): the gather's gradient, a dense [640, 8192] float tensor (20 MiB)
+    made at step start, is read again 115 ms later, while its copy alone takes 132 ms each way over the p100 link.
+    swap-only used to take it (FT -151 ms, its in-trigger its own evicted access): swapped out and straight back in,
+    a 150 ms stall, with every later swap-out queued behind it and still on the device when the head allocated."""
+    trace = AccessTrace.from_json(json.loads(gzip.decompress(MEASURED_TRANSFORMER.read_bytes())))
+    plan = make_plan(trace, 89 << 20, "swap-only", DeviceModel.from_link("p100", trace))
+    swapped = {d.tensor for d in plan.swaps}
+    assert swapped and not any("UnsortedSegmentSum" in t for t in swapped), sorted(swapped)
+    _assert_swap_outs_end_before_back_accesses(plan, trace)
