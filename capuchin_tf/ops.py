@@ -41,6 +41,7 @@ HOST_STORE_STAT_FIELDS = (
     "passive_evicted_bytes",
     "passive_swap_ins",
     "guided_evictions",
+    "expedited_swap_outs",
 )
 
 
@@ -123,6 +124,13 @@ def set_passive_mode(enabled: bool) -> None:
     _ops.capuchin_set_passive_mode(tf.constant(bool(enabled)))
 
 
+def set_small_pool(enabled: bool) -> None:
+    """The device allocator wrapper's small-tensor pool (on the simulated device): when on, allocations of at most
+    64 KiB come from a pool of their own, so that small tensors that live long do not split the memory large tensors
+    need (docs/decisions.md). Every managed step turns it on."""
+    _ops.capuchin_set_small_pool(tf.constant(bool(enabled)))
+
+
 def drain_stalls() -> dict[str, np.ndarray]:
     """Stalls recorded since the last drain: `start_ns`, `end_ns` (CLOCK_MONOTONIC), `bytes`, `kind` (0 passive
     eviction, 1 a get that brought an evicted tensor back, 2 a swap-in that waited for its copy, 3 a prefetched
@@ -153,12 +161,17 @@ def drain_access_records() -> dict[str, np.ndarray]:
 
 
 def allocator_stats(device: str = "/device:CPU:0") -> dict[str, int | bool]:
-    """The device allocator's bytes in use, peak and limit (-1 if not tracked) and whether capuchin_tf wraps it."""
+    """The device allocator's bytes in use, peak and limit (-1 if not tracked), whether capuchin_tf wraps it, and the
+    same three for the wrapper's small-tensor pool (-1 without one; the pool's region counts in the device's bytes in
+    use as one allocation)."""
     with tf.device(device):
-        in_use, peak, limit, wrapped = _ops.capuchin_allocator_stats()
+        in_use, peak, limit, wrapped, small_in_use, small_peak, small_limit = _ops.capuchin_allocator_stats()
     return {
         "bytes_in_use": int(in_use),
         "peak_bytes_in_use": int(peak),
         "bytes_limit": int(limit),
         "wrapped": bool(wrapped),
+        "small_pool_bytes_in_use": int(small_in_use),
+        "small_pool_peak_bytes_in_use": int(small_peak),
+        "small_pool_bytes_limit": int(small_limit),
     }

@@ -38,6 +38,9 @@ def _stat_value(stat, stat_metadata):
 ANCHOR = "capuchin_tf/clock_anchor"
 
 
+SMALL_POOL_ALLOCATOR = "capuchin_small_pool"  # the allocator wrapper's small-tensor pool (cc/kernels/device_allocator.cc)
+
+
 def read_xspace(path: str) -> tuple[list[KernelEvent], list[MemoryEvent], list[int]]:
     """Kernel and allocator events of the host plane of an XSpace file, times in ns on the profiler's clock, and the
     start times of the clock anchors (see `_anchor`)."""
@@ -58,6 +61,10 @@ def read_xspace(path: str) -> tuple[list[KernelEvent], list[MemoryEvent], list[i
                     anchors.append(start)
                 elif name in ("MemoryAllocation", "MemoryDeallocation"):
                     stats = {sm[s.metadata_id].name: _stat_value(s, sm) for s in ev.stats}
+                    if stats.get("allocator_name") == SMALL_POOL_ALLOCATOR:
+                        # Inside the small-tensor pool's region, which the device counts as one allocation: its
+                        # events carry the pool's own bytes in use, not the device's.
+                        continue
                     memory.append(MemoryEvent(
                         time=start, allocation=name == "MemoryAllocation", addr=int(stats.get("addr", 0)),
                         nbytes=int(stats.get("allocation_bytes", 0)), requested=int(stats.get("requested_bytes", 0)),

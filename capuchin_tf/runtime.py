@@ -184,6 +184,7 @@ class ManagedStep:
         if kwargs:
             raise TypeError("a capuchin_tf.function step takes positional arguments only; got keyword arguments "
                             f"{sorted(kwargs)}")
+        ops.set_small_pool(True)  # small tensors get a pool of their own (the allocator's switch; one small op)
         concrete = capture.concrete_step(self._fn, args)
         key = concrete.name if isinstance(concrete.name, str) else concrete.name.decode()
         state = self._states.get(key)
@@ -365,7 +366,7 @@ class ManagedStep:
                     if not self.passive_rescue:
                         raise self._failure(state, e, rescue_off=True) from e
                     return self._passive(state, args, retried, e, snapshot)
-                self._tighten(state, args, reason="out of memory")
+                self._tighten(state, args, reason=f"out of memory ({oom_line(e)})")
                 continue
             snapshot = None
             state.protected_steps = max(state.protected_steps - 1, 0)

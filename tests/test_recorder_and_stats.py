@@ -62,5 +62,5 @@ def test_allocator_stats_match_tensorflows_memory_info():
     assert capuchin_tf.allocator_stats()["peak_bytes_in_use"] >= 68 << 20
     tf.config.experimental.reset_memory_stats("CPU:0")
     after_reset = capuchin_tf.allocator_stats()
-    # the peak restarts from what is in use (plus the stats op's own four scalar outputs)
-    assert 0 <= after_reset["peak_bytes_in_use"] - after_reset["bytes_in_use"] <= 4 * 256
+    # the peak restarts from what is in use (plus the stats op's own seven scalar outputs)
+    assert 0 <= after_reset["peak_bytes_in_use"] - after_reset["bytes_in_use"] <= 7 * 256

@@ -15,6 +15,14 @@ BFC_MIN_CHUNK = 256  # the BFC allocator's smallest allocation
 DEVICE_LIMIT_BYTES = int(os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"]) * MiB  # set by conftest.py
 
 
+@pytest.fixture(autouse=True)
+def _small_tensors_on_the_device():
+    """These tests count BFC chunks exactly (a handle is one 256-byte chunk), so small tensors stay out of the allocator
+    wrapper's small-tensor pool, which a managed step run earlier in this process turned on (the next one turns it on
+    again)."""
+    capuchin_tf.ops.set_small_pool(False)
+
+
 def wait_until(predicate, timeout=30.0, interval=0.002):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -142,3 +142,60 @@ def test_readers_of_one_evicted_tensor_share_one_swap_in(simulated_device):
     assert r["evicted"] == 1
     assert r["values"] == [[[3.0, 3.0]] * 6]
     assert r["swap_ins"] == 1
+
+
+QUEUED_SWAP_OUTS = """
+import json
+import time
+import tensorflow as tf
+from capuchin_tf import ops
+
+# As in a managed step, small tensors go to the pool (its region taken from the device by the first one, here), so
+# the swap handles (256 bytes each) do not split the free memory after the blocks.
+ops.set_small_pool(True)
+small = tf.zeros([16]) + 1.0
+N = 4 * 1024 * 1024  # 16 MiB of float32
+blocks = [tf.fill([N], float(i)) for i in range(3)]  # 48 MiB of the 64 MiB device, one after the other
+ops.set_link_bandwidth({bandwidth})  # bytes/s: a 16 MiB copy takes 16 MiB / bandwidth
+handles = [ops.swap_out(b, name=f"b{{i}}") for i, b in enumerate(blocks)]
+del blocks  # the store holds them now: the first is on the link, the other two wait in the queue
+ops.set_passive_mode(True)
+t0 = time.perf_counter()
+try:
+    big = tf.fill([10 * 1024 * 1024], 1.0)  # 40 MiB: only the queued blocks' memory and the free 16 MiB make a run
+    fits, big_sum = True, float(tf.reduce_sum(big))
+except tf.errors.ResourceExhaustedError:
+    fits, big_sum = False, None
+finally:
+    ops.set_passive_mode(False)
+waited = time.perf_counter() - t0
+stats = ops.host_store_stats()
+big = None
+ops.set_link_bandwidth(0.0)  # the swap-ins below at full speed
+values = [float(tf.reduce_max(ops.swap_in(h, tf.float32, [N]))) for h in handles[1:]]
+print(json.dumps({{"fits": fits, "sum": big_sum, "waited": waited, "expedited": stats["expedited_swap_outs"],
+                   "values": values}}))
+"""
+
+
+def test_an_allocation_takes_the_memory_of_swap_outs_still_queued_for_the_link(simulated_device):
+    """Guided execution's safety net: a swap-out waiting behind others for the (emulated) link still holds its device
+    buffer. An allocation that needs that memory copies the queued ones at once instead of failing (or waiting for
+    the link): seen on the transformer, whose head found its memory held by queued 1 MiB swap-outs."""
+    r = simulated_device(QUEUED_SWAP_OUTS.format(bandwidth=1 << 20), limit_mb=64)  # 16 s per block on the link
+    assert r["fits"] and r["sum"] == 10 * 1024 * 1024
+    assert r["expedited"] == 2, r
+    assert r["waited"] < 8, "did not wait for the link"
+    assert r["values"] == [1.0, 2.0], "the expedited blocks come back with their bits"
+
+
+def test_an_allocation_waits_for_a_swap_out_on_the_link_when_nothing_else_helps(simulated_device):
+    """When evicting and expediting are not enough, a copy in flight can still free what the allocation needs: the
+    allocation waits for the next copy to finish and tries again (here 56 MiB need the memory of the block on the
+    link as well as the two queued ones)."""
+    r = simulated_device(QUEUED_SWAP_OUTS.format(bandwidth=8 << 20).replace("10 * 1024 * 1024", "14 * 1024 * 1024"),
+                         limit_mb=64)  # 2 s per block; 56 MiB needs the first block's memory as well
+    assert r["fits"] and r["sum"] == 14 * 1024 * 1024
+    assert r["expedited"] == 2, r
+    assert 1.0 < r["waited"] < 8, "waited for the first block's copy, not for the allocator's 10 s"
+    assert r["values"] == [1.0, 2.0]

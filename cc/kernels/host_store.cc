@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <unordered_set>
 #include <utility>
 
 #include "tensorflow/core/framework/types.h"
@@ -318,6 +319,31 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
     std::sort(prefetched.begin(), prefetched.end(),
               [](const std::shared_ptr<Entry>& a, const std::shared_ptr<Entry>& b) { return a->handle > b->handle; });
     evictable.insert(evictable.end(), prefetched.begin(), prefetched.end());
+    // Guided execution: swap-outs still queued behind the copy worker. Their device buffers stay until their turn
+    // on the emulated link comes (28.7 MiB of the transformer's swap-only plan take 160 ms on a p100 link, most of
+    // its forward pass), so the memory the plan freed on paper is still in use when the head allocates, and nothing
+    // else near it may be evictable (seen: 20 MiB refused with 30 MiB in queued 1 MiB and 256 KiB swap-outs).
+    // Evicted here, they are copied at once, like a pooled tensor, and leave the queue.
+    std::unordered_set<const Entry*> queued;
+    for (const auto& e : out_queue_) {
+      if (!e->released && e->state == Residency::kSwappingOut && e->bytes > 0 && e->device.IsInitialized() &&
+          e->device.RefCountIsOne()) {
+        evictable.push_back(e);
+        queued.insert(e.get());
+      }
+    }
+    if (chunks != nullptr) {
+      // A tensor whose buffer is not one of the map's chunks lives in the allocator wrapper's small-tensor pool:
+      // evicting it frees nothing the failed allocation could use.
+      std::unordered_set<uint64_t> starts;
+      for (const auto& c : *chunks) starts.insert(c.address);
+      evictable.erase(std::remove_if(evictable.begin(), evictable.end(),
+                                     [&starts](const std::shared_ptr<Entry>& e) {
+                                       return starts.count(
+                                                  reinterpret_cast<uint64_t>(e->device.tensor_data().data())) == 0;
+                                     }),
+                      evictable.end());
+    }
     // Where each evictable tensor's buffer starts (taken before anything is evicted; the trace below names them).
     std::unordered_map<uint64_t, std::shared_ptr<Entry>> entry_at;
     for (const auto& e : evictable) entry_at[reinterpret_cast<uint64_t>(e->device.tensor_data().data())] = e;
@@ -361,6 +387,15 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
       drop.push_back(std::move(e->device));
       e->device = Tensor();
       e->state = Residency::kOut;
+      if (queued.count(e.get()) > 0) {
+        // Out of the copy worker's queue. A prefetch already asked for stays asked: the swap-in is queued now and
+        // waits for its turn on the link (its allocation may evict again).
+        out_queue_.erase(std::find(out_queue_.begin(), out_queue_.end(), e));
+        CopyDone();
+        counters_.expedited_swap_outs++;
+        if (e->prefetch_requested) EnqueueSwapIn(e, e->in_allocator);
+        continue;
+      }
       e->prefetch_requested = false;
       if (!e->pooled) {
         counters_.guided_evictions++;
@@ -373,10 +408,23 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
       for (const auto& e : chosen) names += " " + e->name + "(" + std::to_string(e->bytes) + ")";
       std::string map;
       if (chunks != nullptr && !chunks->empty()) {
+        // Every entry still on the device, evictable or not, named with its state (the ones not evictable show why).
+        std::unordered_map<uint64_t, std::string> any_at;
+        for (const auto& kv : entries_) {
+          const Entry* e = kv.second.get();
+          if (!e->device.IsInitialized() || e->bytes == 0) continue;
+          any_at[reinterpret_cast<uint64_t>(e->device.tensor_data().data())] =
+              "{" + std::string(e->pooled ? "pool" : "swap") + std::to_string(static_cast<int>(e->state)) +
+              (e->device.RefCountIsOne() ? "" : ",shared") + (e->waiter ? ",claimed" : "") + "}" + e->name;
+        }
         for (const auto& c : *chunks) {
           auto it = entry_at.find(c.address);
+          auto any = any_at.find(c.address);
           map += " [" + std::to_string(c.address - chunks->front().address) + "+" + std::to_string(c.size) +
-                 (c.in_use ? (it != entry_at.end() ? " " + it->second->name : " used") : " free") + "]";
+                 (c.in_use ? (it != entry_at.end() ? " " + it->second->name
+                                                   : (any != any_at.end() ? " used" + any->second : " used"))
+                           : " free") +
+                 "]";
         }
       }
       LOG(WARNING) << "capuchin: EvictFor(" << bytes_needed << ") evictable " << evictable.size() << " freed " << freed
@@ -522,7 +570,7 @@ void HostStore::RunOutWorker() {
       lock.unlock();
       drop = Tensor();
       lock.lock();
-      counters_.pending_copies--;
+      CopyDone();
       continue;
     }
     Tensor source = e->device;
@@ -575,7 +623,7 @@ void HostStore::RunOutWorker() {
     if (waiter) waiter(absl::OkStatus(), deliver);
     deliver = Tensor();
     lock.lock();
-    counters_.pending_copies--;
+    CopyDone();
   }
 }
 
@@ -587,7 +635,7 @@ void HostStore::RunInWorker() {
     in_queue_.pop_front();
     if (e->released) {
       FreeHostBuffer(e.get());
-      counters_.pending_copies--;
+      CopyDone();
       continue;
     }
     Allocator* allocator = e->in_allocator;
@@ -646,8 +694,25 @@ void HostStore::RunInWorker() {
     if (waiter) waiter(status, deliver);
     deliver = Tensor();
     lock.lock();
-    counters_.pending_copies--;
+    CopyDone();
   }
+}
+
+void HostStore::CopyDone() {
+  counters_.pending_copies--;
+  copies_done_++;
+  copy_cv_.notify_all();
+}
+
+int64_t HostStore::CopyGeneration() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return counters_.pending_copies == 0 ? -1 : copies_done_;
+}
+
+bool HostStore::WaitForCopy(int64_t generation, int64_t deadline_ns) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto deadline = std::chrono::steady_clock::time_point(std::chrono::nanoseconds(deadline_ns));
+  return copy_cv_.wait_until(lock, deadline, [&] { return copies_done_ != generation; });
 }
 
 void HostStore::SetLinkBandwidth(double device_to_host_bps, double host_to_device_bps) {

@@ -57,6 +57,7 @@ struct HostStoreCounters {
   int64_t passive_evicted_bytes = 0; // their bytes
   int64_t passive_swap_ins = 0;      // Gets that brought an evicted tensor back
   int64_t guided_evictions = 0;      // prefetched tensors evicted again (an allocation failed before their SwapIn)
+  int64_t expedited_swap_outs = 0;   // queued swap-outs an allocation copied at once (EvictFor) instead of waiting
 };
 
 // A time interval the step spent waiting on the host store (removed from the ideal timeline).
@@ -106,6 +107,11 @@ class HostStore {
     bool in_use;
   };
   int64_t EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks = nullptr);
+  // Copies in flight free device memory when they finish (a swap-out) or make an evictable tensor (a prefetch).
+  // CopyGeneration: -1 when no copy is pending, else a number that changes each time one finishes; WaitForCopy
+  // waits until it changed or the deadline (CLOCK_MONOTONIC ns) passed, and says whether it changed.
+  int64_t CopyGeneration();
+  bool WaitForCopy(int64_t generation, int64_t deadline_ns);
   void SetPassive(bool enabled) { passive_.store(enabled); }
   bool passive() const { return passive_.load(); }
   std::vector<Stall> DrainStalls();
@@ -141,10 +147,13 @@ class HostStore {
   void TrimPool();
   void SleepForLink(double bps, int64_t bytes, int64_t start_ns);
   void Erase(int64_t handle);                                                        // mu_ held
+  void CopyDone();                                                                   // mu_ held: a copy finished
   void LogWait(const Entry& e);  // mu_ held: a SwapIn waited from e.wait_start_ns until now
 
   std::mutex mu_;
   std::condition_variable out_cv_, in_cv_;
+  std::condition_variable copy_cv_;  // a copy finished (copies_done_ changed)
+  int64_t copies_done_ = 0;
   std::condition_variable get_cv_;  // a Get that found its entry being brought back by another Get waits here
   std::unordered_map<int64_t, std::shared_ptr<Entry>> entries_;
   std::deque<std::shared_ptr<Entry>> out_queue_, in_queue_;

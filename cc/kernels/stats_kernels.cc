@@ -1,4 +1,5 @@
-// Kernel of Capuchin>AllocatorStats: the device allocator's statistics, read from the kernel side.
+// Kernel of Capuchin>AllocatorStats: the device allocator's statistics (and its small-tensor pool's), read from the
+// kernel side.
 
 #include "device_allocator.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -20,7 +21,17 @@ class AllocatorStatsOp : public OpKernel {
       peak = stats->peak_bytes_in_use;
       limit = stats->bytes_limit.value_or(-1);
     }
-    const bool wrapped = dynamic_cast<CapuchinAllocator*>(allocator) != nullptr;
+    CapuchinAllocator* capuchin = dynamic_cast<CapuchinAllocator*>(allocator);
+    const bool wrapped = capuchin != nullptr;
+    int64_t small_in_use = -1, small_peak = -1, small_limit = -1;
+    if (capuchin != nullptr) {
+      std::optional<AllocatorStats> small = capuchin->SmallPoolStats();
+      if (small.has_value()) {
+        small_in_use = small->bytes_in_use;
+        small_peak = small->peak_bytes_in_use;
+        small_limit = small->bytes_limit.value_or(-1);
+      }
+    }
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<int64_t>()() = in_use;
@@ -30,10 +41,25 @@ class AllocatorStatsOp : public OpKernel {
     out->scalar<int64_t>()() = limit;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &out));
     out->scalar<bool>()() = wrapped;
+    const int64_t small_values[] = {small_in_use, small_peak, small_limit};
+    for (int i = 0; i < 3; ++i) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(4 + i, TensorShape({}), &out));
+      out->scalar<int64_t>()() = small_values[i];
+    }
+  }
+};
+
+class SetSmallPoolOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    CapuchinAllocator* allocator = CapuchinAllocator::Installed();
+    if (allocator != nullptr) allocator->SetSmallPool(ctx->input(0).scalar<bool>()());
   }
 };
 
 REGISTER_KERNEL_BUILDER(Name("Capuchin>AllocatorStats").Device(DEVICE_CPU), AllocatorStatsOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>SetSmallPool").Device(DEVICE_CPU), SetSmallPoolOp);
 
 }  // namespace
 }  // namespace capuchin

@@ -230,7 +230,8 @@ class HostStoreStatsOp : public OpKernel {
                                          c.bytes_in,        c.late_prefetches, c.demand_swap_ins,
                                          c.wait_ns,         c.released_unconsumed, c.failed_swap_ins,
                                          c.pool_bytes,      c.pending_copies,  c.passive_evictions,
-                                         c.passive_evicted_bytes, c.passive_swap_ins, c.guided_evictions};
+                                         c.passive_evicted_bytes, c.passive_swap_ins, c.guided_evictions,
+                                         c.expedited_swap_outs};
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({static_cast<int64_t>(values.size())}), &out));
     auto flat = out->flat<int64_t>();

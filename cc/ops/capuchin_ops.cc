@@ -189,6 +189,15 @@ tensors that only the pool holds (oldest hold first, preferring one of about the
 retry.
 )doc");
 
+REGISTER_OP("Capuchin>SetSmallPool")
+    .Input("enabled: bool")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Turns the device allocator wrapper's small-tensor pool on or off: when on (and the device has one, i.e. it is the
+simulated device), allocations of at most 64 KiB come from a pool of their own while it has room.
+)doc");
+
 REGISTER_OP("Capuchin>DrainStalls")
     .Output("starts_ns: int64")
     .Output("ends_ns: int64")
@@ -236,9 +245,12 @@ REGISTER_OP("Capuchin>AllocatorStats")
     .Output("peak_bytes_in_use: int64")
     .Output("bytes_limit: int64")
     .Output("wrapped: bool")
+    .Output("small_pool_bytes_in_use: int64")
+    .Output("small_pool_peak_bytes_in_use: int64")
+    .Output("small_pool_bytes_limit: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      for (int i = 0; i < 4; ++i) c->set_output(i, c->Scalar());
+      for (int i = 0; i < 7; ++i) c->set_output(i, c->Scalar());
       return absl::OkStatus();
     })
     .Doc(R"doc(
