@@ -23,6 +23,7 @@
 #include "tensorflow/core/platform/logging.h"
 #include "tensorflow/core/platform/numa.h"
 #include "tensorflow/core/public/session_options.h"
+#include "tsl/profiler/lib/scoped_memory_debug_annotation.h"
 
 namespace tensorflow {
 namespace capuchin {
@@ -171,7 +172,10 @@ struct RegisterFactory {
 CapuchinAllocator* CapuchinAllocator::Installed() { return g_installed.load(); }
 
 CapuchinAllocator::CapuchinAllocator(Allocator* base, tsl::BFCAllocator* bfc, size_t small_pool_bytes)
-    : base_(base), bfc_(bfc), small_region_(new std::atomic<uintptr_t>[2]) {
+    : base_(base),
+      bfc_(bfc),
+      small_region_(new std::atomic<uintptr_t>[2]),
+      trace_owners_(std::getenv("CAPUCHIN_TF_TRACE_EVICT") != nullptr) {
   small_region_[0].store(0);
   small_region_[1].store(0);
   if (bfc != nullptr && small_pool_bytes >= 256) {
@@ -247,8 +251,18 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const A
     if (ptr == nullptr && std::getenv("CAPUCHIN_TF_DEBUG_EVICT") == nullptr) return nullptr;
   }
   if (ptr == nullptr) ptr = base_->AllocateRaw(alignment, num_bytes, attr);
-  if (ptr != nullptr) allocations_.fetch_add(1, std::memory_order_relaxed);
+  if (ptr != nullptr) {
+    allocations_.fetch_add(1, std::memory_order_relaxed);
+    if (trace_owners_) RecordOwner(ptr, num_bytes);
+  }
   return ptr;
+}
+
+void CapuchinAllocator::RecordOwner(const void* ptr, size_t num_bytes) {
+  if (num_bytes < kSmallMaxBytes) return;
+  const auto& annotation = tsl::profiler::ScopedMemoryDebugAnnotation::CurrentAnnotation();
+  std::lock_guard<std::mutex> lock(owners_mu_);
+  owners_[reinterpret_cast<uint64_t>(ptr)] = std::string(annotation.pending_op_name);
 }
 
 const std::vector<HostStore::ChunkSpan>* CapuchinAllocator::ChunkMap() {
@@ -258,7 +272,12 @@ const std::vector<HostStore::ChunkSpan>* CapuchinAllocator::ChunkMap() {
   chunks.clear();
   chunks.reserve(dump.chunk_size());
   for (const MemChunk& c : dump.chunk()) {
-    chunks.push_back(HostStore::ChunkSpan{c.address(), static_cast<int64_t>(c.size()), c.in_use()});
+    chunks.push_back(HostStore::ChunkSpan{c.address(), static_cast<int64_t>(c.size()), c.in_use(), ""});
+    if (trace_owners_ && c.in_use()) {
+      std::lock_guard<std::mutex> lock(owners_mu_);
+      auto it = owners_.find(c.address());
+      if (it != owners_.end()) chunks.back().op = it->second;
+    }
   }
   std::sort(chunks.begin(), chunks.end(),
             [](const HostStore::ChunkSpan& a, const HostStore::ChunkSpan& b) { return a.address < b.address; });
@@ -267,6 +286,10 @@ const std::vector<HostStore::ChunkSpan>* CapuchinAllocator::ChunkMap() {
 
 void CapuchinAllocator::DeallocateRaw(void* ptr) {
   deallocations_.fetch_add(1, std::memory_order_relaxed);
+  if (trace_owners_) {
+    std::lock_guard<std::mutex> lock(owners_mu_);
+    owners_.erase(reinterpret_cast<uint64_t>(ptr));
+  }
   Owner(ptr)->DeallocateRaw(ptr);
 }
 

@@ -14,6 +14,7 @@
 #include <optional>
 #include <shared_mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "host_store.h"
@@ -84,6 +85,11 @@ class CapuchinAllocator : public Allocator {
   std::shared_ptr<std::atomic<uintptr_t>[]> small_region_;
   // Passive mode: allocations share it; an allocation that evicts holds it alone from its eviction to its retry.
   std::shared_mutex evict_mu_;
+  // CAPUCHIN_TF_TRACE_EVICT: the op that allocated each buffer of at least 64 KiB, named in the eviction trace's map.
+  void RecordOwner(const void* ptr, size_t num_bytes);
+  const bool trace_owners_;
+  std::mutex owners_mu_;
+  std::unordered_map<uint64_t, std::string> owners_;
   std::atomic<int64_t> allocations_{0};
   std::atomic<int64_t> deallocations_{0};
 };

@@ -422,7 +422,8 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
           auto any = any_at.find(c.address);
           map += " [" + std::to_string(c.address - chunks->front().address) + "+" + std::to_string(c.size) +
                  (c.in_use ? (it != entry_at.end() ? " " + it->second->name
-                                                   : (any != any_at.end() ? " used" + any->second : " used"))
+                                                   : (any != any_at.end() ? " used" + any->second
+                                                                          : " used(" + c.op + ")"))
                            : " free") +
                  "]";
         }

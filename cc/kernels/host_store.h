@@ -105,6 +105,7 @@ class HostStore {
     uint64_t address;
     int64_t size;
     bool in_use;
+    std::string op;  // the op that allocated it, where the allocator recorded one (traces only)
   };
   int64_t EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks = nullptr);
   // Copies in flight free device memory when they finish (a swap-out) or make an evictable tensor (a prefetch).
