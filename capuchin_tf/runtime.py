@@ -116,6 +116,9 @@ class SignatureState:
     speedup: float = 1.0
     protected_steps: int = 0  # guided steps left that run with a host snapshot of `written` (after a plan change)
     untightenable_at: int = 0  # a plan budget for which no tighter plan was found (not searched again)
+    # The plan of the last guided step that completed (after retries or not): (plan, plan budget, fn).
+    good: tuple | None = None
+    earlier_frozen: bool = False  # late prefetches no longer move triggers earlier (that had run out of memory)
 
 
 class ManagedStep:
@@ -356,8 +359,18 @@ class ManagedStep:
                     finally:
                         ops.set_passive_mode(False)
             except tf.errors.ResourceExhaustedError as e:
-                restored = snapshot is not None and self._restore(state, snapshot)
-                if not (restored or self._may_retry(state, e)):
+                # Failed before the first variable write of the pinned order: nothing was written, so nothing is
+                # restored. Restoring anyway moves the variables: the assignments take fresh device buffers
+                # wherever BFC has room (seen on the transformer: its 4 MiB embedding table and Adam slots scattered
+                # over the free memory after a retry, and the 20 MiB tensors of its head no longer fit).
+                # Failed later: only the variables written before the failing op are restored (on the transformer,
+                # the dropout layers' seed generators, written early in the forward pass, and not the embedding table
+                # and its Adam slots, which the optimizer writes at the end).
+                pos = self._failing_position(state, e) if state.fn is not None else None
+                untouched = pos is not None and pos < state.first_write
+                restored = not untouched and snapshot is not None and self._restore(
+                    state, snapshot, only=None if pos is None else self._written_before(state, pos))
+                if not (restored or untouched):
                     raise self._failure(state, e) from e
                 retried += 1
                 if retried > self.max_retries:
@@ -366,9 +379,12 @@ class ManagedStep:
                     if not self.passive_rescue:
                         raise self._failure(state, e, rescue_off=True) from e
                     return self._passive(state, args, retried, e, snapshot)
-                self._tighten(state, args, reason=f"out of memory ({oom_line(e)})")
+                if not self._tighten(state, args, reason=f"out of memory ({oom_line(e)})"):
+                    self._back_to_good(state)
                 continue
             snapshot = None
+            if state.fn is not None:
+                state.good = (state.plan, state.plan_budget, state.fn)
             state.protected_steps = max(state.protected_steps - 1, 0)
             seconds = time.perf_counter() - t0
             peak = tf.config.experimental.get_memory_info(DEVICE)["peak"]
@@ -424,8 +440,32 @@ class ManagedStep:
             return None
         return [np.array(v.numpy(), copy=True) for v in state.written]
 
-    def _restore(self, state: SignatureState, snapshot: list) -> bool:
+    def _written_before(self, state: SignatureState, pos: int) -> set[int] | None:
+        """ids of the variables that ops before position `pos` of the pinned order write (the ops from `pos` on
+        cannot have run: each waits for the one before it), or None if a writer cannot be matched to a variable."""
+        graph = state.concrete.graph
+        internal_to_external = {internal.name: external for external, internal in graph.captures}
+        by_handle = {id(v.handle): v for v in graph.variables}
+        ids = set()
+        for name, i in state.order.items():
+            if i >= pos or not is_variable_writer(state.trace.graph.ops[name].type):
+                continue
+            try:
+                op = graph.get_operation_by_name(name)
+            except (KeyError, ValueError):
+                return None
+            external = internal_to_external.get(op.inputs[0].name) if op.inputs else None
+            variable = by_handle.get(id(external)) if external is not None else None
+            if variable is None:
+                return None
+            ids.add(id(variable))
+        return ids
+
+    def _restore(self, state: SignatureState, snapshot: list, only: set[int] | None = None) -> bool:
+        """Assigns the host copies back: to every written variable, or to those whose id is in `only`."""
         for v, value in zip(state.written, snapshot):
+            if only is not None and id(v) not in only:
+                continue
             # A tensor made from a numpy array can keep the array's (host) memory, and the assignment can adopt it:
             # the variable would leave the device allocator (seen: ResNet50's 92.7 MiB of variables, then 0.6 MiB
             # in use). DeepCopy allocates the value on the device first; holding a reference to it while assigning
@@ -478,16 +518,24 @@ class ManagedStep:
         name = m[-1]
         if name in state.order:
             return state.order[name]
-        # An inserted node (capuchin/...): it runs before the first original op that reads it.
-        readers = [state.order[n.name] for n in (state.fn.graph.get_operations() if state.fn is not None else ())
-                   if n.name in state.order and any(i.op.name == name for i in n.inputs)]
-        return min(readers) if readers else None
-
-    def _may_retry(self, state: SignatureState, error) -> bool:
+        # An inserted node (capuchin/...): it runs before the first original op that depends on it, through its
+        # data or control outputs and other inserted nodes (a Get feeding a recomputation's clones, for instance).
         if state.fn is None:
-            return False  # the plain step runs in TensorFlow's own order: no way to know what it wrote
-        pos = self._failing_position(state, error)
-        return pos is not None and pos < state.first_write
+            return None
+        try:
+            failed = state.fn.graph.get_operation_by_name(name)
+        except (KeyError, ValueError):
+            return None
+        seen, frontier, reached = {failed.name}, [failed], []
+        while frontier:
+            op = frontier.pop()
+            for c in [c for out in op.outputs for c in out.consumers()] + list(op._control_outputs):  # noqa: SLF001
+                if c.name in state.order:
+                    reached.append(state.order[c.name])
+                elif c.name not in seen:
+                    seen.add(c.name)
+                    frontier.append(c)
+        return min(reached) if reached else None
 
     def _failure(self, state: SignatureState, error, passive: bool = False, rescue_off: bool = False) -> CapuchinError:
         pos = self._failing_position(state, error)
@@ -555,6 +603,20 @@ class ManagedStep:
         self._install(state, args, plan, budget)
         return True
 
+    def _back_to_good(self, state: SignatureState) -> None:
+        """After an out-of-memory error that no tighter plan answers: back to the last plan that ran, if the feedback
+        has changed it since. Moving prefetches earlier for the late ones raises the memory where they land; on the
+        transformer at 82-96 MiB under swap-only, the plan after the first guided step's feedback ran out of memory
+        in every later step, each then rescued in passive mode. From then on late prefetches no longer move
+        triggers earlier for this signature (early ones still move later)."""
+        if state.good is None or state.good[0] is state.plan:
+            return
+        state.plan, state.plan_budget, state.fn = state.good
+        state.earlier_frozen = True
+        if self.verbose:
+            print("capuchin_tf: back to the plan of the last guided step that completed; late prefetches no longer "
+                  "move triggers earlier", flush=True)
+
     def _adjust(self, state: SignatureState, args, late: Mapping[str, float], early: list[str], peak: int) -> bool:
         """Feedback after a guided step; True when the plan changed (and the step was rewritten)."""
         if state.plan is None or state.replans >= self.max_replans:
@@ -565,8 +627,8 @@ class ManagedStep:
             return False
         # A prefetch evicted again before its use came too early for the memory there: its trigger moves later
         # (beyond the paper); a late one moves earlier (the paper). Eviction wins when a tensor was both.
-        plan = move_triggers(state.plan, state.trace, earlier={t: w for t, w in late.items() if t not in early},
-                             later=set(early))
+        earlier = {} if state.earlier_frozen else {t: w for t, w in late.items() if t not in early}
+        plan = move_triggers(state.plan, state.trace, earlier=earlier, later=set(early))
         if plan is state.plan:
             return False
         state.replans += 1

@@ -287,3 +287,79 @@ def test_a_passive_rescue_that_runs_out_of_memory_runs_once_more_after_restoring
             with pytest.raises(capuchin_tf.CapuchinError, match="even in passive mode"):
                 step._passive(state, (), 2, oom, snap)
             assert len(runs) == (2 if snap is not None else 1) and len(restored) == len(runs) - 1
+
+
+def test_a_failed_guided_attempt_restores_only_the_variables_written_before_the_failing_op():
+    # The pinned order chains every op to the one before it, so the ops from the failing one on have not run. Seen on
+    # the transformer: restoring every written variable moved its 4 MiB embedding table and Adam slots (fresh device
+    # buffers wherever BFC had room) although only the dropout seed generators had been written.
+    from types import SimpleNamespace
+
+    from capuchin_tf import runtime
+
+    first, second = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
+
+    @tf.function
+    def f():
+        first.assign_add([1.0, 1.0])
+        second.assign(5.0)
+
+    concrete = f.get_concrete_function()
+    writers = [op.name for op in concrete.graph.get_operations() if op.type in ("AssignAddVariableOp",
+                                                                               "AssignVariableOp")]
+    assert len(writers) == 2
+    order = {"a": 0, writers[0]: 3, "b": 4, writers[1]: 7, "c": 8}
+    types = {n: ("AssignAddVariableOp" if n == writers[0] else "AssignVariableOp" if n == writers[1] else "Mul")
+             for n in order}
+    state = runtime.SignatureState(concrete=concrete, order=order, first_write=3,
+                                   trace=SimpleNamespace(graph=SimpleNamespace(
+                                       ops={n: SimpleNamespace(type=t) for n, t in types.items()})))
+    step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
+    assert step._written_before(state, 3) == set()
+    assert step._written_before(state, 4) == {id(first)}
+    assert step._written_before(state, 9) == {id(first), id(second)}
+
+    state.written = [first, second]
+    snapshot = [np.array([1.0, 2.0], np.float32), np.array(3.0, np.float32)]
+    first.assign([7.0, 7.0]), second.assign(7.0)
+    assert step._restore(state, snapshot, only={id(first)})
+    assert first.numpy().tolist() == [1.0, 2.0] and float(second.numpy()) == 7.0
+
+
+@pytest.mark.parametrize("failing_position,restores", [(2, False), (6, True)])
+def test_a_guided_step_that_no_tighter_plan_rescues_goes_back_to_the_last_plan_that_ran(monkeypatch, failing_position,
+                                                                                        restores):
+    # Feedback moved triggers (plan B) after plan A's step completed; B runs out of memory and nothing tighter is
+    # predicted to fit: the retry runs A, and late prefetches stop moving triggers earlier. A failure before the first
+    # variable write (position 5 here) restores nothing; one after it restores what was written before it.
+    from types import SimpleNamespace
+
+    from capuchin_tf import rewrite, runtime
+
+    step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
+    plan_a = SimpleNamespace(name="A", swapped_bytes=1, recomputed_bytes=0)
+    plan_b = SimpleNamespace(name="B", swapped_bytes=2, recomputed_bytes=0)
+    state = runtime.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB, step_time=0.0),
+                                   plan=plan_b, plan_budget=90 * MiB, fn="step B", first_write=5,
+                                   good=(plan_a, 95 * MiB, "step A"))
+    runs, restored = [], []
+    oom = tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[640,8192]")
+
+    def call(fn, *args):
+        runs.append(fn)
+        if fn == "step B":
+            raise oom
+        return "outputs"
+
+    monkeypatch.setattr(rewrite, "call_without_grappler", call)
+    monkeypatch.setattr(step, "_snapshot", lambda state: ["host copy"])
+    monkeypatch.setattr(step, "_failing_position", lambda state, error: failing_position)
+    monkeypatch.setattr(step, "_written_before", lambda state, pos: {"written before"})
+    monkeypatch.setattr(step, "_restore", lambda state, snapshot, only=None: restored.append(only) or True)
+    monkeypatch.setattr(step, "_tighten", lambda state, args, reason: False)
+    assert step._guided(state, ()) == "outputs"
+    assert runs == ["step B", "step A"]
+    assert restored == ([{"written before"}] if restores else [])
+    assert state.plan is plan_a and state.plan_budget == 95 * MiB and state.fn == "step A"
+    assert state.earlier_frozen and state.good == (plan_a, 95 * MiB, "step A")
+    assert state.history[-1].phase == "guided" and state.history[-1].retried == 1
