@@ -416,21 +416,26 @@ class ManagedStep:
             state.steps_since_change = 0 if record.plan_changed or retried else state.steps_since_change + 1
             return outputs
 
-    def _written_variables(self, state: SignatureState) -> list | None:
-        """The variables the step writes, or None if a written resource is not a variable capuchin_tf can read."""
+    @staticmethod
+    def _writers(state: SignatureState) -> dict:
+        """Each variable-writing op of the step's graph -> the variable it writes (None: a resource capuchin_tf cannot
+        read)."""
         graph = state.concrete.graph
         internal_to_external = {internal.name: external for external, internal in graph.captures}
-        handles = set()
+        by_handle = {id(v.handle): v for v in graph.variables}
+        writers = {}
         for op in graph.get_operations():
             if is_variable_writer(op.type) and op.inputs:
                 external = internal_to_external.get(op.inputs[0].name)
-                if external is None:
-                    return None
-                handles.add(id(external))
-        by_handle = {id(v.handle): v for v in graph.variables}
-        if not handles <= set(by_handle):
+                writers[op.name] = by_handle.get(id(external)) if external is not None else None
+        return writers
+
+    def _written_variables(self, state: SignatureState) -> list | None:
+        """The variables the step writes, or None if a written resource is not a variable capuchin_tf can read."""
+        variables = list(self._writers(state).values())
+        if any(v is None for v in variables):
             return None
-        return [by_handle[h] for h in handles]
+        return list({id(v): v for v in variables}.values())
 
     def _snapshot(self, state: SignatureState) -> list | None:
         """Host copies of the variables the step writes (taken before a protected step), or None if not possible."""
@@ -443,19 +448,12 @@ class ManagedStep:
     def _written_before(self, state: SignatureState, pos: int) -> set[int] | None:
         """ids of the variables that ops before position `pos` of the pinned order write (the ops from `pos` on
         cannot have run: each waits for the one before it), or None if a writer cannot be matched to a variable."""
-        graph = state.concrete.graph
-        internal_to_external = {internal.name: external for external, internal in graph.captures}
-        by_handle = {id(v.handle): v for v in graph.variables}
+        writers = self._writers(state)
         ids = set()
         for name, i in state.order.items():
             if i >= pos or not is_variable_writer(state.trace.graph.ops[name].type):
                 continue
-            try:
-                op = graph.get_operation_by_name(name)
-            except (KeyError, ValueError):
-                return None
-            external = internal_to_external.get(op.inputs[0].name) if op.inputs else None
-            variable = by_handle.get(id(external)) if external is not None else None
+            variable = writers.get(name)
             if variable is None:
                 return None
             ids.add(id(variable))
