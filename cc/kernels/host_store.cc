@@ -141,6 +141,7 @@ void HostStore::SwapIn(int64_t handle, Allocator* device_allocator, DataType exp
         switch (e->state) {
           case Residency::kIn:  // prefetched in time (or never left because host memory ran out)
             ready = std::move(e->device);
+            NoteHanded(ready, e->name, "swap_in");
             deliver_now = true;
             break;
           case Residency::kSwappingIn:
@@ -182,7 +183,8 @@ int64_t HostStore::Hold(const Tensor& tensor, const std::string& name) {
   return e->handle;
 }
 
-absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType expected_dtype, Tensor* out) {
+absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType expected_dtype, bool last,
+                            Tensor* out) {
   std::shared_ptr<Entry> e;
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -199,7 +201,15 @@ absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType
     // Going on would copy from the host buffer that Get frees when it is done.
     get_cv_.wait(lock, [&e] { return e->state != Residency::kSwappingIn; });
     if (e->state == Residency::kIn) {
-      *out = e->device;
+      if (last) {
+        // The last reader takes the buffer: with no reference left in the pool, the reader can reuse it for its
+        // output (TensorFlow's in-place forwarding), as it would have without the pool.
+        *out = std::move(e->device);
+        NoteHanded(*out, e->name, "get");
+        Erase(handle);
+      } else {
+        *out = e->device;
+      }
       return absl::OkStatus();
     }
     e->state = Residency::kSwappingIn;  // claimed: eviction skips it, a concurrent Get waits above
@@ -220,7 +230,12 @@ absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType
   if (e->bytes > 0) std::memcpy(const_cast<char*>(tensor.tensor_data().data()), e->host, e->bytes);
   std::lock_guard<std::mutex> lock(mu_);
   FreeHostBuffer(e.get());
-  e->device = tensor;
+  if (last) {
+    NoteHanded(tensor, e->name, "get");
+    Erase(handle);  // as above: the reader owns the only reference
+  } else {
+    e->device = tensor;
+  }
   e->state = Residency::kIn;
   get_cv_.notify_all();
   counters_.passive_swap_ins++;
@@ -423,7 +438,7 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
           map += " [" + std::to_string(c.address - chunks->front().address) + "+" + std::to_string(c.size) +
                  (c.in_use ? (it != entry_at.end() ? " " + it->second->name
                                                    : (any != any_at.end() ? " used" + any->second
-                                                                          : " used(" + c.op + ")"))
+                                                                          : " used(" + c.op + ")" + HandedAt(c.address)))
                            : " free") +
                  "]";
         }
@@ -507,6 +522,16 @@ int64_t HostStore::ReleaseAll() {
   for (int64_t h : handles) n += Release(h) ? 1 : 0;
   TrimPool();
   return n;
+}
+
+std::string HostStore::HandedAt(uint64_t address) const {
+  auto it = handed_.find(address);
+  return it == handed_.end() ? "" : "<" + it->second + ">";
+}
+
+void HostStore::NoteHanded(const Tensor& tensor, const std::string& name, const char* how) {
+  if (!trace_ || !tensor.IsInitialized() || tensor.TotalBytes() == 0) return;
+  handed_[reinterpret_cast<uint64_t>(tensor.tensor_data().data())] = std::string(how) + ":" + name;
 }
 
 void HostStore::Erase(int64_t handle) {

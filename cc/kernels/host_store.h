@@ -17,6 +17,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -97,7 +98,9 @@ class HostStore {
   // `allocate` makes the device tensor an evicted entry comes back into (the Get kernel's own allocate_temp, so
   // that the allocation is attributed to the Get op in the profiler's memory events).
   using AllocateFn = std::function<absl::Status(DataType, const TensorShape&, Tensor*)>;
-  absl::Status Get(int64_t handle, const AllocateFn& allocate, DataType expected_dtype, Tensor* out);
+  // `last`: no other Get of this handle is left (the caller holds the only reference to the handle): the tensor is
+  // handed over and the entry erased, so the pool no longer shares its buffer.
+  absl::Status Get(int64_t handle, const AllocateFn& allocate, DataType expected_dtype, bool last, Tensor* out);
   // `chunks`, when the allocator can tell (the simulated device's BFC), is its memory map in address order: then
   // the pooled tensors evicted are those of the contiguous run of free and evictable chunks that is large enough and
   // holds the fewest evictable bytes (an allocation needs one free chunk, not free bytes in total).
@@ -148,6 +151,12 @@ class HostStore {
   void TrimPool();
   void SleepForLink(double bps, int64_t bytes, int64_t start_ns);
   void Erase(int64_t handle);                                                        // mu_ held
+  // Traces only ($CAPUCHIN_TF_TRACE_EVICT): the last tensor handed to an op at each device address (a Get's last
+  // reader, a SwapIn), named in the eviction trace's memory map.
+  void NoteHanded(const Tensor& tensor, const std::string& name, const char* how);  // mu_ held
+  std::string HandedAt(uint64_t address) const;                                     // mu_ held
+  const bool trace_ = std::getenv("CAPUCHIN_TF_TRACE_EVICT") != nullptr;
+  std::unordered_map<uint64_t, std::string> handed_;
   void CopyDone();                                                                   // mu_ held: a copy finished
   void LogWait(const Entry& e);  // mu_ held: a SwapIn waited from e.wait_start_ns until now
 

@@ -107,7 +107,10 @@ class GetOp : public OpKernel {
     auto allocate = [ctx](DataType dtype, const TensorShape& shape, Tensor* t) {
       return ctx->allocate_temp(dtype, shape, t);
     };
-    OP_REQUIRES_OK(ctx, HostStore::Global()->Get(handle, allocate, dtype_, &tensor));
+    // Every Get of a handle receives its own reference to the handle tensor when the Hold runs; a Get that finds
+    // the only one left is the handle's last reader.
+    const bool last = ctx->input(0).RefCountIsOne();
+    OP_REQUIRES_OK(ctx, HostStore::Global()->Get(handle, allocate, dtype_, last, &tensor));
     ctx->set_output(0, tensor);
   }
 
