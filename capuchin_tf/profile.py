@@ -22,6 +22,7 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2
 from capuchin_tf import capture, ops, rewrite
 from capuchin_tf.graph_model import fold_views
 from capuchin_tf.passive import MEASURED_MIN_HOLD_BYTES, MIN_HOLD_BYTES, hold_plan
+from capuchin_tf.schedule import deferral_gates
 from capuchin_tf.trace import AccessTrace
 from capuchin_tf.tracing import KernelEvent, MemoryEvent, assemble_trace, fold_pool_ops
 
@@ -91,16 +92,19 @@ def passive_step(concrete, args):
     `rewrite.call_without_grappler` and passive mode on: it completes under a limit the plain step does not fit, as
     long as what is not pooled fits, with the plain step's results bit for bit."""
     optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
-    return rewrite.rebuild(concrete, pooled(concrete, optimized, min_bytes=MEASURED_MIN_HOLD_BYTES),
+    return rewrite.rebuild(concrete, pooled(concrete, optimized, min_bytes=MEASURED_MIN_HOLD_BYTES, defer=True),
                            name="capuchin_passive_step")
 
 
-def pooled(concrete, graph_def, min_bytes: int = MIN_HOLD_BYTES):
+def pooled(concrete, graph_def, min_bytes: int = MIN_HOLD_BYTES, defer: bool = False):
     """`graph_def` (the step's optimized graph, rewritten or not) with every tensor that waits while memory is
     allocated handed to the pool (passive.hold_plan, rewrite.insert_hold_get): under passive mode the allocator can
-    evict any of them on demand."""
+    evict any of them on demand. With `defer`, gradient ops ready long before they are needed first wait for the op
+    before their first reader (schedule.deferral_gates): the measured step's order, which guided steps follow."""
     # Static shapes of every tensor of the graph (Grappler's and capuchin_tf's new nodes included): imported as is.
     shaped = rewrite.rebuild(concrete, graph_def, name="capuchin_shapes").graph
+    if defer:
+        graph_def = rewrite.add_gates(graph_def, deferral_gates(capture.graph_model(graph_def, shaped)))
     graph = fold_views(capture.graph_model(graph_def, shaped))  # a far read through a Reshape is a far read
     # Tensors a plan swaps are the plan's: their swap-out must read them directly (through a Get it would run when
     # the Get's gate says, and the pool would keep the tensor on the device until then).

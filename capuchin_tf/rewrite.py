@@ -171,6 +171,21 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence],
     return out
 
 
+def add_gates(graph_def: graph_pb2.GraphDef, gates: Mapping[str, Sequence[str]]) -> graph_pb2.GraphDef:
+    """`graph_def` with each op of `gates` waiting for its gates (control edges; schedule.deferral_gates):
+
+        G ...          G ...
+        X --> R        X --> R
+                       ^ (ctrl: G)
+    """
+    out = copy.deepcopy(graph_def)
+    for node in out.node:
+        for gate in gates.get(node.name, ()):
+            if f"^{gate}" not in node.input:
+                node.input.append(f"^{gate}")
+    return out
+
+
 def _ref(tid: str) -> str:
     op, slot = split_tensor_id(tid)
     return op if slot == 0 else f"{op}:{slot}"

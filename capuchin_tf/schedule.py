@@ -115,3 +115,115 @@ def _is_topological(graph: GraphModel, order: list[str]) -> bool:
         if any(pos[c] > pos[op.name] for c in op.control_inputs):
             return False
     return True
+
+
+# A gradient op is deferred when at least this much of other tensors is produced between it and its first reader.
+DEFER_MIN_BYTES = 1 << 20
+
+
+def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[str, tuple[str, ...]]:
+    """Gradient ops the executor would run long before their outputs are read -> the op each is to wait for.
+
+    TensorFlow's executor runs an op as soon as its inputs are ready, and a gradient op that reads nothing of the
+    backward pass is ready early: on the transformer the gradient of the masked-LM head's label gather (a dense
+    [640, 8192] UnsortedSegmentSum, 20 MiB at batch 32) reads only the labels, ran early in the forward pass and
+    waited there, so that the head held three 20 MiB tensors at once where two suffice. Such ops are deferred
+    as late as possible (in the executor's estimated order, `schedule_order`): an op X is deferred to just before its
+    first reader R, where readers deferred themselves count at their new place; it is made to wait for the last op
+    before R that neither depends on X nor is deferred nor is an optimizer op, so that it runs right before R.
+
+    X is deferred when: it is a backward op that the estimate runs before the forward pass's last op, not stateful
+    and not a variable write, whose outputs hold at least `min_bytes` or which reads such an op's output; at least
+    `min_bytes` of other
+    tensors are produced between it and R; and its outputs are at least as large as the inputs it would keep alive
+    longer (read last by X, or last by ops before its new place). An early op that is not deferred but reads a forward
+    tensor of its own output's size waits for that tensor's forward readers instead. Returns {X: the ops X waits
+    for}.
+    """
+    order = schedule_order(graph)
+    pos = {name: i for i, name in enumerate(order)}
+    produced = [0]
+    for name in order:
+        produced.append(produced[-1] + sum(max(graph.tensors[t].nbytes, 0) for t in graph.ops[name].outputs
+                                           if not graph.tensors[t].persistent))
+    control_consumers: dict[str, list[str]] = collections.defaultdict(list)
+    for op in graph.ops.values():
+        for c in op.control_inputs:
+            control_consumers[c].append(op.name)
+
+    def successors(name: str):
+        for t in graph.ops[name].outputs:
+            yield from graph.tensors[t].consumers
+        yield from control_consumers.get(name, ())
+
+    def depends_on(later: str, earlier: str) -> bool:
+        """Whether `later` is reachable from `earlier` (only ops before `later` in the order can be on the way)."""
+        limit, stack, seen = pos[later], [earlier], {earlier}
+        while stack:
+            for s in successors(stack.pop()):
+                if s == later:
+                    return True
+                if s not in seen and pos[s] < limit:
+                    seen.add(s)
+                    stack.append(s)
+        return False
+
+    # Backward ops ready before the forward pass ends.
+    forward_end = max((pos[n] for n, op in graph.ops.items() if op.role == Role.FORWARD), default=-1)
+    early = {n for n in order[:forward_end] if graph.ops[n].role == Role.BACKWARD and not graph.ops[n].stateful
+             and not is_variable_writer(graph.ops[n].type)}
+
+    def out_bytes(name: str) -> int:
+        return sum(max(graph.tensors[t].nbytes, 0) for t in graph.ops[name].outputs)
+
+    # Worth moving: early ops with large outputs, and the early readers of those (which must move for them to).
+    large = {n for n in early if out_bytes(n) >= min_bytes}
+    movable = large | {n for n in early
+                       if any(graph.tensors[t].op in large and graph.tensors[t].nbytes >= min_bytes
+                              for t in graph.ops[n].inputs)}
+
+    target: dict[str, int] = {}  # deferred op -> position of the reader it now runs just before
+    gates: dict[str, str] = {}
+    for name in reversed(order):
+        if name not in movable:
+            continue
+        op = graph.ops[name]
+        readers = set(successors(name))
+        if not readers:
+            continue
+        p_x = pos[name]
+        p_r = min(target.get(r, pos[r]) for r in readers)
+        if produced[p_r] - produced[p_x + 1] < min_bytes:
+            continue
+        gate = next((order[i] for i in range(p_r - 1, p_x, -1)
+                     if order[i] not in gates and graph.ops[order[i]].role != Role.OPTIMIZER
+                     and not depends_on(order[i], name)), None)
+        if gate is None:
+            continue
+        extended = 0
+        for t in dict.fromkeys(op.inputs):
+            info = graph.tensors[t]
+            if info.persistent or info.nbytes <= 0:
+                continue
+            # Without the deferral t is freed after its last reader; with it, not before X's new place.
+            freed_after = max([target.get(c, pos[c]) for c in info.consumers if c != name] + [p_x])
+            if freed_after < pos[gate]:
+                extended += info.nbytes
+        if out_bytes(name) < extended:
+            continue
+        gates[name], target[name] = gate, p_r
+    out = {name: (gate,) for name, gate in gates.items()}
+    # An early op that reads a forward tensor as large as its output waits for that tensor's forward readers: then
+    # it reads it last and can compute in place (the transformer's Exp of the log-probabilities ran before their
+    # gather and needed a third 20 MiB buffer).
+    for name in early - set(gates):
+        op = graph.ops[name]
+        size = out_bytes(name)
+        if size < min_bytes:
+            continue
+        after = [c for t in op.inputs if graph.tensors[t].nbytes == size and not graph.tensors[t].persistent
+                 for c in graph.tensors[t].consumers
+                 if c != name and graph.ops[c].role == Role.FORWARD and not depends_on(c, name)]
+        if after:
+            out[name] = tuple(dict.fromkeys(after))
+    return out

@@ -57,6 +57,11 @@ Allocator* DeviceAllocator(OpKernelContext* ctx) { return ctx->device()->GetAllo
 
 class SwapOutOp : public OpKernel {
  public:
+  // Inexpensive: TensorFlow's executor runs it inline as soon as it is ready. An "expensive" kernel is handed to the
+  // inter-op pool, whose owner thread takes the newest work first, so with one inter-op thread a Hold made ready in
+  // the forward pass ran only after the masked-LM head of the transformer (seen in the eviction trace): until then
+  // its tensor was the executor's, not the pool's, and could not be evicted.
+  bool IsExpensive() override { return false; }
   explicit SwapOutOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("tensor_name", &tensor_name_));
     if (tensor_name_.empty()) tensor_name_ = name();
@@ -78,6 +83,11 @@ class SwapOutOp : public OpKernel {
 
 class HoldOp : public OpKernel {
  public:
+  // Inexpensive: TensorFlow's executor runs it inline as soon as it is ready. An "expensive" kernel is handed to the
+  // inter-op pool, whose owner thread takes the newest work first, so with one inter-op thread a Hold made ready in
+  // the forward pass ran only after the masked-LM head of the transformer (seen in the eviction trace): until then
+  // its tensor was the executor's, not the pool's, and could not be evicted.
+  bool IsExpensive() override { return false; }
   explicit HoldOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("tensor_name", &tensor_name_));
     if (tensor_name_.empty()) tensor_name_ = name();
@@ -149,6 +159,11 @@ class DrainStallsOp : public OpKernel {
 
 class PrefetchOp : public OpKernel {
  public:
+  // Inexpensive: TensorFlow's executor runs it inline as soon as it is ready. An "expensive" kernel is handed to the
+  // inter-op pool, whose owner thread takes the newest work first, so with one inter-op thread a Hold made ready in
+  // the forward pass ran only after the masked-LM head of the transformer (seen in the eviction trace): until then
+  // its tensor was the executor's, not the pool's, and could not be evicted.
+  bool IsExpensive() override { return false; }
   using OpKernel::OpKernel;
 
   void Compute(OpKernelContext* ctx) override {

@@ -1,10 +1,13 @@
-"""What passive mode hands to the pool and when the Gets run (capuchin_tf.passive): no TensorFlow."""
+"""What passive mode hands to the pool and when the Gets run (capuchin_tf.passive), and the order the measured step
+is made to follow (capuchin_tf.schedule): no TensorFlow."""
+
+import dataclasses
 
 import pytest
 
 from capuchin_tf.graph_model import GraphModel, OpInfo, Role, TensorInfo
 from capuchin_tf.passive import MIN_HOLD_BYTES, PooledRead, hold_plan
-from capuchin_tf.schedule import schedule_order
+from capuchin_tf.schedule import deferral_gates, schedule_order
 
 MB = 1 << 20
 
@@ -106,3 +109,60 @@ def test_a_reader_is_far_only_when_memory_is_allocated_while_the_tensor_waits():
     }
     assert hold_plan(graph(spec, persistent={"x"}), min_bytes=MB)  # 1 MiB produced meanwhile: far
     assert not hold_plan(graph(spec, persistent={"x"}, sizes={"other": MB // 2}), min_bytes=MB)  # near
+
+
+def head_graph(**extra_sizes):
+    """A masked-LM head in miniature: the gradient of the label gather (grad_seg, 20 MiB) reads only the labels, so
+    the executor can run it first; the log-softmax gradient needs it only at the end."""
+    sizes = {"grad_seg": 20 * MB, "logits": 20 * MB, "logsm": 20 * MB, "grad_exp": 20 * MB, "grad_mul": 20 * MB,
+             "grad_sub": 20 * MB, "f1": 4 * MB, "f2": 4 * MB, "grad_sum": 1024, "gather": 1024, "loss": 4,
+             **extra_sizes}
+    return graph({
+        "x": ("_Arg", ()), "labels": ("_Arg", ()),
+        "grad_seg": ("UnsortedSegmentSum", ("labels:0",)),
+        "grad_sum": ("Sum", ("grad_seg:0",)),
+        "f1": ("MatMul", ("x:0",)), "f2": ("Relu", ("f1:0",)),
+        "logits": ("MatMul", ("f2:0",)), "logsm": ("LogSoftmax", ("logits:0",)),
+        "gather": ("GatherV2", ("logsm:0", "labels:0")), "loss": ("Neg", ("gather:0",)),
+        "grad_exp": ("Exp", ("logsm:0",)), "grad_mul": ("Mul", ("grad_exp:0", "grad_sum:0")),
+        "grad_sub": ("Sub", ("grad_seg:0", "grad_mul:0")),
+        "grad_w": ("MatMul", ("grad_sub:0", "f2:0")),
+    }, persistent={"x", "labels"}, sizes=sizes)
+
+
+def with_gates(g, gates):
+    ops = [dataclasses.replace(op, control_inputs=op.control_inputs + tuple(gates.get(op.name, ())))
+           for op in g.ops.values()]
+    return GraphModel.build(ops, list(g.tensors.values()))
+
+
+def test_gradient_ops_ready_early_are_deferred_to_just_before_their_first_reader():
+    g = head_graph()
+    before = schedule_order(g)
+    assert before.index("grad_seg") < before.index("f2")  # ready at once: it reads only the labels
+    gates = deferral_gates(g, min_bytes=MB)
+    # grad_sum moves with it (it reads grad_seg), and both wait for the op before grad_mul, their first reader;
+    # grad_exp, ready as soon as the log-softmax is, waits for the gather, the log-softmax's forward reader
+    assert set(gates) == {"grad_seg", "grad_sum", "grad_exp"} and gates["grad_exp"] == ("gather",)
+    after = schedule_order(with_gates(g, gates))  # still an order: no cycle
+    assert after.index("gather") < after.index("grad_seg") < after.index("grad_sum") < after.index("grad_mul")
+    # the head now holds two 20 MiB tensors where it held three: grad_seg is no longer alive at the log-softmax,
+    # and grad_exp reads the log-probabilities last (it can compute in place)
+    assert after.index("logsm") < after.index("grad_seg")
+    assert after.index("gather") < after.index("grad_exp")
+
+
+def test_an_early_gradient_op_is_not_deferred_when_that_keeps_a_larger_input_alive():
+    g = graph({
+        "x": ("_Arg", ()),
+        "big": ("MatMul", ("x:0",)),
+        "grad_small": ("Sum", ("big:0",)),  # backward, ready early; its input dies as soon as it has run
+        "f1": ("MatMul", ("x:0",)), "f2": ("Relu", ("f1:0",)), "f3": ("Relu", ("f2:0",)),
+        "loss": ("Sum", ("f3:0",)),
+        "grad_late": ("AddV2", ("loss:0", "grad_small:0")),
+    }, persistent={"x"}, sizes={"big": 20 * MB, "grad_small": MB, "f1": 4 * MB, "f2": 4 * MB, "f3": 4 * MB})
+    assert deferral_gates(g, min_bytes=MB) == {}
+    # with the input smaller than the output it is deferred
+    g2 = graph({name: (op.type, op.inputs) for name, op in g.ops.items()}, persistent={"x"},
+               sizes={"big": MB, "grad_small": 2 * MB, "f1": 4 * MB, "f2": 4 * MB, "f3": 4 * MB})
+    assert set(deferral_gates(g2, min_bytes=MB)) == {"grad_small"}
