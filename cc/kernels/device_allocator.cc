@@ -262,7 +262,7 @@ void CapuchinAllocator::RecordOwner(const void* ptr, size_t num_bytes) {
   if (num_bytes < kSmallMaxBytes) return;
   const auto& annotation = tsl::profiler::ScopedMemoryDebugAnnotation::CurrentAnnotation();
   std::lock_guard<std::mutex> lock(owners_mu_);
-  owners_[reinterpret_cast<uint64_t>(ptr)] = std::string(annotation.pending_op_name);
+  owners_[reinterpret_cast<uint64_t>(ptr)] = {std::string(annotation.pending_op_name), HostStore::TraceSeq()};
 }
 
 const std::vector<HostStore::ChunkSpan>* CapuchinAllocator::ChunkMap() {
@@ -272,11 +272,14 @@ const std::vector<HostStore::ChunkSpan>* CapuchinAllocator::ChunkMap() {
   chunks.clear();
   chunks.reserve(dump.chunk_size());
   for (const MemChunk& c : dump.chunk()) {
-    chunks.push_back(HostStore::ChunkSpan{c.address(), static_cast<int64_t>(c.size()), c.in_use(), ""});
+    chunks.push_back(HostStore::ChunkSpan{c.address(), static_cast<int64_t>(c.size()), c.in_use(), "", 0});
     if (trace_owners_ && c.in_use()) {
       std::lock_guard<std::mutex> lock(owners_mu_);
       auto it = owners_.find(c.address());
-      if (it != owners_.end()) chunks.back().op = it->second;
+      if (it != owners_.end()) {
+        chunks.back().op = it->second.first;
+        chunks.back().seq = it->second.second;
+      }
     }
   }
   std::sort(chunks.begin(), chunks.end(),

@@ -89,7 +89,7 @@ class CapuchinAllocator : public Allocator {
   void RecordOwner(const void* ptr, size_t num_bytes);
   const bool trace_owners_;
   std::mutex owners_mu_;
-  std::unordered_map<uint64_t, std::string> owners_;
+  std::unordered_map<uint64_t, std::pair<std::string, int64_t>> owners_;  // op, HostStore::TraceSeq()
   std::atomic<int64_t> allocations_{0};
   std::atomic<int64_t> deallocations_{0};
 };

@@ -438,7 +438,7 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
           map += " [" + std::to_string(c.address - chunks->front().address) + "+" + std::to_string(c.size) +
                  (c.in_use ? (it != entry_at.end() ? " " + it->second->name
                                                    : (any != any_at.end() ? " used" + any->second
-                                                                          : " used(" + c.op + ")" + HandedAt(c.address)))
+                                                                          : " used(" + c.op + ")" + HandedAt(c.address, c.seq)))
                            : " free") +
                  "]";
         }
@@ -524,14 +524,20 @@ int64_t HostStore::ReleaseAll() {
   return n;
 }
 
-std::string HostStore::HandedAt(uint64_t address) const {
+int64_t HostStore::TraceSeq() {
+  static std::atomic<int64_t> seq{0};
+  return ++seq;
+}
+
+std::string HostStore::HandedAt(uint64_t address, int64_t alloc_seq) const {
   auto it = handed_.find(address);
-  return it == handed_.end() ? "" : "<" + it->second + ">";
+  // A hand-over before the chunk's allocation was of an earlier tensor at that address.
+  return it == handed_.end() || it->second.second < alloc_seq ? "" : "<" + it->second.first + ">";
 }
 
 void HostStore::NoteHanded(const Tensor& tensor, const std::string& name, const char* how) {
   if (!trace_ || !tensor.IsInitialized() || tensor.TotalBytes() == 0) return;
-  handed_[reinterpret_cast<uint64_t>(tensor.tensor_data().data())] = std::string(how) + ":" + name;
+  handed_[reinterpret_cast<uint64_t>(tensor.tensor_data().data())] = {std::string(how) + ":" + name, TraceSeq()};
 }
 
 void HostStore::Erase(int64_t handle) {

@@ -109,7 +109,10 @@ class HostStore {
     int64_t size;
     bool in_use;
     std::string op;  // the op that allocated it, where the allocator recorded one (traces only)
+    int64_t seq = 0;  // when it was allocated, in TraceSeq order (traces only)
   };
+  // Traces only: a process-wide sequence number ordering allocations and hand-overs.
+  static int64_t TraceSeq();
   int64_t EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks = nullptr);
   // Copies in flight free device memory when they finish (a swap-out) or make an evictable tensor (a prefetch).
   // CopyGeneration: -1 when no copy is pending, else a number that changes each time one finishes; WaitForCopy
@@ -154,9 +157,9 @@ class HostStore {
   // Traces only ($CAPUCHIN_TF_TRACE_EVICT): the last tensor handed to an op at each device address (a Get's last
   // reader, a SwapIn), named in the eviction trace's memory map.
   void NoteHanded(const Tensor& tensor, const std::string& name, const char* how);  // mu_ held
-  std::string HandedAt(uint64_t address) const;                                     // mu_ held
+  std::string HandedAt(uint64_t address, int64_t alloc_seq) const;                  // mu_ held
   const bool trace_ = std::getenv("CAPUCHIN_TF_TRACE_EVICT") != nullptr;
-  std::unordered_map<uint64_t, std::string> handed_;
+  std::unordered_map<uint64_t, std::pair<std::string, int64_t>> handed_;  // name, TraceSeq()
   void CopyDone();                                                                   // mu_ held: a copy finished
   void LogWait(const Entry& e);  // mu_ held: a SwapIn waited from e.wait_start_ns until now
 
