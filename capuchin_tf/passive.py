@@ -48,7 +48,11 @@ def hold_plan(graph: GraphModel, min_bytes: int = MIN_HOLD_BYTES) -> dict[str, l
     between the tensor and it: memory is allocated while the tensor waits. Its Get is gated on the op just before
     the reader in the estimate, so that it runs when the reader is about to. (Gating on the reader's other inputs
     is not enough: the executor's ready queue is first-in first-out, and a reader ready early, a gradient's
-    BiasAddGrad for instance, still runs late; seen on ResNet50.)
+    BiasAddGrad for instance, still runs late; seen on ResNet50.) It also waits for the producers of the reader's
+    other inputs: the op before the reader in the estimate can run far earlier than the estimate says (a gradient op
+    that reads only forward tensors runs in the forward pass; a ReadVariableOp, at the start), and a Get gated on it
+    alone brought its tensor back there and kept it on the device from then on (the transformer's GELU input, gated on
+    the GELU derivative's Square, sat across the masked-LM head and split its free memory).
     """
     order = schedule_order(graph)
     pos = {name: i for i, name in enumerate(order)}
@@ -69,8 +73,16 @@ def hold_plan(graph: GraphModel, min_bytes: int = MIN_HOLD_BYTES) -> dict[str, l
                          key=pos.__getitem__)
         if any(graph.ops[r].type in DIRECT_READERS for r in readers):
             continue
-        reads = [PooledRead(r, (order[pos[r] - 1],)) for r in readers
+        reads = [PooledRead(r, _gates(graph, r, t.id, order[pos[r] - 1])) for r in readers
                  if produced[pos[r]] - produced[p + 1] >= min_bytes]
         if reads:
             plan[t.id] = reads
     return plan
+
+
+def _gates(graph: GraphModel, reader: str, tid: str, before: str) -> tuple[str, ...]:
+    """What the Get of `tid` for `reader` waits for: the op before the reader in the estimate, and the producers of
+    the reader's other inputs (all of which the reader waits for anyway)."""
+    producers = [graph.tensors[i].op for i in graph.ops[reader].inputs
+                 if i != tid and graph.ops[graph.tensors[i].op].type != "_Arg"]
+    return tuple(dict.fromkeys([before, *producers]))
