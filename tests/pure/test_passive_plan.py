@@ -166,3 +166,22 @@ def test_an_early_gradient_op_is_not_deferred_when_that_keeps_a_larger_input_ali
     g2 = graph({name: (op.type, op.inputs) for name, op in g.ops.items()}, persistent={"x"},
                sizes={"big": MB, "grad_small": 2 * MB, "f1": 4 * MB, "f2": 4 * MB, "f3": 4 * MB})
     assert set(deferral_gates(g2, min_bytes=MB)) == {"grad_small"}
+
+
+def test_a_get_also_waits_for_the_producers_of_its_readers_other_inputs():
+    # grad2 reads f1 (pooled) and grad3; in the estimate the op just before grad2 is `early`, which the executor may
+    # run long before grad2 (it reads only x): the Get must not run then, so it waits for grad3 too.
+    g = graph({
+        "x": ("_Arg", ()),
+        "f1": ("MatMul", ("x:0",)), "f2": ("Relu", ("f1:0",)), "f3": ("MatMul", ("f2:0",)),
+        "loss": ("Sum", ("f3:0",)),
+        "grad3": ("ReluGrad", ("loss:0", "f2:0")),
+        "early": ("Neg", ("x:0",)),
+        "grad2": ("MatMul", ("grad3:0", "f1:0", "early:0")),
+    }, persistent={"x"}, controls={"early": ("grad3",)})
+    order = schedule_order(g)
+    plan = hold_plan(g, min_bytes=MB)
+    (read,) = plan["f1:0"]
+    assert read.reader == "grad2" and read.gates[0] == order[order.index("grad2") - 1]
+    assert set(read.gates) == {order[order.index("grad2") - 1], "grad3", "early"}
+    assert "x" not in read.gates  # an argument is always ready: no gate
