@@ -1,4 +1,4 @@
-"""The quick tier under persistent + a fraction of its transient peak (half where the model's floor allows; issue 5):
+"""The quick tier under persistent + half its transient peak (issue 5):
 plain TensorFlow runs out of memory there, and capuchin, swap-only and recompute-only (p100 link) each train the model
 for 5 steps under the budget, with plain TensorFlow's losses and variables bit for bit, running their plans (guided
 steps) after the measured step.
@@ -14,15 +14,13 @@ from capuchin_tf.budget import fraction_budget_mb
 
 MiB = 1 << 20
 STEPS = 5
-# (model, batch, transient fraction). Half the transient peak for the mlp, the cnn and dropout-bn (dropout-bn is within
-# a few MiB of its floor there: a BatchNorm gradient of its first stage and a 22.5-27 MiB convolution workspace; it
-# fits because passive eviction frees one contiguous run of memory where an allocation fails, docs/decisions.md).
-# The transformer runs at 0.55: its masked-LM head needs three [640, 8192] float tensors at once (20 MiB each at
-# batch 32), so its floor is 77.1 MiB (the working set of the head's `sub_1` plus 17.1 MiB of persistent state), and
-# half its transient peak is 81-86 MiB as plain TensorFlow's peak varies from run to run (142-151 MiB). At 0.5 each
-# policy trained it bit for bit in most runs, but at 81 MiB recompute-only failed even in passive mode
-# (docs/results.md, fourth session).
-MODELS = [("mlp", 2048, 0.5), ("cnn", 128, 0.5), ("dropout-bn", 128, 0.5), ("transformer", 32, 0.55)]
+# (model, batch, transient fraction): half the transient peak for every model. The transformer's masked-LM head needs
+# [640, 8192] float tensors (20 MiB each at batch 32) and half its transient peak is 81-86 MiB, a few MiB above what
+# its head holds at once: it fits because pooled tensors are the pool's as soon as they are made (Hold runs inline),
+# gradient ops ready in the forward pass are deferred to where they are read, and the pool's last reader computes in
+# place (docs/decisions.md, eighth session). dropout-bn is within a few MiB of its floor too (a BatchNorm gradient of
+# its first stage and a 22.5-27 MiB convolution workspace).
+MODELS = [("mlp", 2048, 0.5), ("cnn", 128, 0.5), ("dropout-bn", 128, 0.5), ("transformer", 32, 0.5)]
 POLICIES = ["capuchin", "swap-only", "recompute-only"]
 
 
