@@ -122,7 +122,7 @@ DEFER_MIN_BYTES = 1 << 20
 
 
 def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[str, tuple[str, ...]]:
-    """Gradient ops the executor would run long before their outputs are read -> the op each is to wait for.
+    """Gradient ops the executor would run long before their outputs are read -> the ops each is to wait for.
 
     TensorFlow's executor runs an op as soon as its inputs are ready, and a gradient op that reads nothing of the
     backward pass is ready early: on the transformer the gradient of the masked-LM head's label gather (a dense
@@ -134,11 +134,10 @@ def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[
 
     X is deferred when: it is a backward op that the estimate runs before the forward pass's last op, not stateful
     and not a variable write, whose outputs hold at least `min_bytes` or which reads such an op's output; at least
-    `min_bytes` of other
-    tensors are produced between it and R; and its outputs are at least as large as the inputs it would keep alive
-    longer (read last by X, or last by ops before its new place). An early op that is not deferred but reads a forward
-    tensor of its own output's size waits for that tensor's forward readers instead. Returns {X: the ops X waits
-    for}.
+    `min_bytes` of other tensors are produced between it and R; and its outputs are at least as large as the inputs
+    it would keep alive longer (read last by X, or last by ops before its new place). An early op that is not
+    deferred but reads a forward tensor of its own output's size waits for that tensor's forward readers instead.
+    Returns {X: the ops X waits for}.
     """
     order = schedule_order(graph)
     pos = {name: i for i, name in enumerate(order)}
