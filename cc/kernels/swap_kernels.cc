@@ -55,14 +55,20 @@ absl::Status ScalarHandle(OpKernelContext* ctx, int64_t* handle) {
 
 Allocator* DeviceAllocator(OpKernelContext* ctx) { return ctx->device()->GetAllocator(AllocatorAttributes()); }
 
-class SwapOutOp : public OpKernel {
+// Kernels that only register a tensor or queue a copy (SwapOut, Hold, Prefetch) run inline: TensorFlow's executor runs
+// an inexpensive kernel as soon as it is ready, and hands an "expensive" one (every kernel is, until the executor has
+// timed it) to the inter-op pool, whose owner thread takes the newest work first. With one inter-op thread a Hold
+// made ready in the forward pass ran only after the transformer's masked-LM head (seen in the eviction trace): until
+// then its tensor was the executor's, not the pool's, and could not be evicted.
+class InlineOpKernel : public OpKernel {
  public:
-  // Inexpensive: TensorFlow's executor runs it inline as soon as it is ready. An "expensive" kernel is handed to the
-  // inter-op pool, whose owner thread takes the newest work first, so with one inter-op thread a Hold made ready in
-  // the forward pass ran only after the masked-LM head of the transformer (seen in the eviction trace): until then
-  // its tensor was the executor's, not the pool's, and could not be evicted.
+  using OpKernel::OpKernel;
   bool IsExpensive() override { return false; }
-  explicit SwapOutOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+};
+
+class SwapOutOp : public InlineOpKernel {
+ public:
+  explicit SwapOutOp(OpKernelConstruction* ctx) : InlineOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("tensor_name", &tensor_name_));
     if (tensor_name_.empty()) tensor_name_ = name();
   }
@@ -81,14 +87,9 @@ class SwapOutOp : public OpKernel {
   std::string tensor_name_;
 };
 
-class HoldOp : public OpKernel {
+class HoldOp : public InlineOpKernel {
  public:
-  // Inexpensive: TensorFlow's executor runs it inline as soon as it is ready. An "expensive" kernel is handed to the
-  // inter-op pool, whose owner thread takes the newest work first, so with one inter-op thread a Hold made ready in
-  // the forward pass ran only after the masked-LM head of the transformer (seen in the eviction trace): until then
-  // its tensor was the executor's, not the pool's, and could not be evicted.
-  bool IsExpensive() override { return false; }
-  explicit HoldOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit HoldOp(OpKernelConstruction* ctx) : InlineOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("tensor_name", &tensor_name_));
     if (tensor_name_.empty()) tensor_name_ = name();
   }
@@ -157,14 +158,9 @@ class DrainStallsOp : public OpKernel {
   }
 };
 
-class PrefetchOp : public OpKernel {
+class PrefetchOp : public InlineOpKernel {
  public:
-  // Inexpensive: TensorFlow's executor runs it inline as soon as it is ready. An "expensive" kernel is handed to the
-  // inter-op pool, whose owner thread takes the newest work first, so with one inter-op thread a Hold made ready in
-  // the forward pass ran only after the masked-LM head of the transformer (seen in the eviction trace): until then
-  // its tensor was the executor's, not the pool's, and could not be evicted.
-  bool IsExpensive() override { return false; }
-  using OpKernel::OpKernel;
+  using InlineOpKernel::InlineOpKernel;
 
   void Compute(OpKernelContext* ctx) override {
     int64_t handle;
