@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from capuchin_tf.graph_model import VIEW_OPS, GraphModel
-from capuchin_tf.schedule import schedule_order
+from capuchin_tf.schedule import produced_bytes, schedule_order
 
 # dtypes the host store copies (names as in the graph model)
 SWAPPABLE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "uint16",
@@ -56,10 +56,7 @@ def hold_plan(graph: GraphModel, min_bytes: int = MIN_HOLD_BYTES) -> dict[str, l
     """
     order = schedule_order(graph)
     pos = {name: i for i, name in enumerate(order)}
-    produced = [0]  # produced[i]: transient bytes the first i ops of the estimate produce
-    for name in order:
-        produced.append(produced[-1] + sum(max(graph.tensors[t].nbytes, 0) for t in graph.ops[name].outputs
-                                           if not graph.tensors[t].persistent))
+    produced = produced_bytes(graph, order)
     plan: dict[str, list[PooledRead]] = {}
     for t in graph.tensors.values():
         if t.persistent or t.nbytes < min_bytes or t.dtype not in SWAPPABLE_DTYPES or not t.consumers:

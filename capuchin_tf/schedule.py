@@ -117,6 +117,16 @@ def _is_topological(graph: GraphModel, order: list[str]) -> bool:
     return True
 
 
+def produced_bytes(graph: GraphModel, order: list[str]) -> list[int]:
+    """produced[i]: transient bytes the first i ops of `order` produce (so produced[j] - produced[i + 1] is what the
+    ops strictly between positions i and j allocate)."""
+    produced = [0]
+    for name in order:
+        produced.append(produced[-1] + sum(max(graph.tensors[t].nbytes, 0) for t in graph.ops[name].outputs
+                                           if not graph.tensors[t].persistent))
+    return produced
+
+
 # A gradient op is deferred when at least this much of other tensors is produced between it and its first reader.
 DEFER_MIN_BYTES = 1 << 20
 
@@ -141,10 +151,7 @@ def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[
     """
     order = schedule_order(graph)
     pos = {name: i for i, name in enumerate(order)}
-    produced = [0]
-    for name in order:
-        produced.append(produced[-1] + sum(max(graph.tensors[t].nbytes, 0) for t in graph.ops[name].outputs
-                                           if not graph.tensors[t].persistent))
+    produced = produced_bytes(graph, order)
     control_consumers: dict[str, list[str]] = collections.defaultdict(list)
     for op in graph.ops.values():
         for c in op.control_inputs:
