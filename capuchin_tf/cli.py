@@ -97,13 +97,15 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write the plan here (JSON)")
 
 
-def _mib(text: str, what: str) -> int:
+def _mib(text: str, what: str, *, positive: bool = False) -> int:
+    """MiB given on the command line, in bytes: a finite number >= 0 (> 0, and at least one byte, when `positive`)."""
     try:
         v = float(text)
     except (TypeError, ValueError):
         raise CliError(f"{what} must be a number of MiB, got {text!r}") from None
-    if not v >= 0 or v == float("inf"):
-        raise CliError(f"{what} must be a non-negative number of MiB, got {text!r}")
+    kind = "positive" if positive else "non-negative"
+    if not v >= 0 or v == float("inf") or (positive and int(v * MiB) <= 0):
+        raise CliError(f"{what} must be a {kind} number of MiB, got {text!r}")
     return int(v * MiB)
 
 
@@ -112,7 +114,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from capuchin_tf.policy import POLICIES, get_policy
     from capuchin_tf.trace import AccessTrace, TraceError
 
-    budget = _mib(args.budget_mb, "--budget-mb")
+    budget = _mib(args.budget_mb, "--budget-mb", positive=True)
     margin = None if args.margin_mb is None else _mib(args.margin_mb, "--margin-mb")
     if args.policy not in POLICIES:
         raise CliError(f"unknown policy {args.policy!r}; valid policies: {', '.join(POLICIES)}")
@@ -120,14 +122,19 @@ def _run_plan(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise CliError(f"trace file not found: {path}")
     try:
-        trace = AccessTrace.load(path)
-    except (TraceError, KeyError, TypeError, ValueError) as e:
+        trace = AccessTrace.load(path)  # validates the whole trace: TraceFormatError names the bad field
+    except TraceError as e:
         raise CliError(f"cannot read trace {path}: {e}") from None
+    except OSError as e:
+        raise CliError(f"cannot read trace {path}: {e.strerror or e}") from None
     try:
         dm = DeviceModel.from_link(args.link, trace)
     except DeviceModelError as e:
         raise CliError(str(e)) from None
-    plan = get_policy(args.policy)(trace, budget, dm, margin_bytes=margin)
+    try:
+        plan = get_policy(args.policy)(trace, budget, dm, margin_bytes=margin)
+    except TraceError as e:  # what the schema check cannot see and the planner's index refuses
+        raise CliError(f"cannot plan trace {path}: {e}") from None
     print(plan.summary())
     if args.json:
         out = pathlib.Path(args.json)

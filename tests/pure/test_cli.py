@@ -60,7 +60,7 @@ def test_bad_input_gives_one_clear_error(trace_file, capsys, tmp_path):
     code, _, err = run(capsys, "plan", "--trace", str(tmp_path / "missing.json"), "--budget-mb", "10")
     assert code == 2 and "trace file not found" in err
     code, _, err = run(capsys, "plan", "--trace", str(path), "--budget-mb", "-5")
-    assert code == 2 and "non-negative" in err
+    assert code == 2 and "positive number of MiB" in err
     code, _, err = run(capsys, "plan", "--trace", str(path), "--budget-mb", "lots")
     assert code == 2 and "number of MiB" in err
     code, _, err = run(capsys, "plan", "--trace", str(path), "--budget-mb", "10", "--policy", "vdnn")
@@ -117,3 +117,126 @@ def test_python_dash_m_runs_without_tensorflow(trace_file, tmp_path):
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "policy capuchin" in proc.stdout
+
+
+# ---- malformed traces and arguments: one line on stderr, exit code 2, never a traceback -------------------------
+def _mutated(trace, mutate):
+    d = json.loads(json.dumps(trace.to_json()))
+    return mutate(d)
+
+
+def _negate_sizes(d):
+    for t in d["tensors"]:
+        t["nbytes"] = -t["nbytes"]
+    d["peak_bytes"] = -d["peak_bytes"]
+    d["persistent_bytes"] = -d["persistent_bytes"]
+    return d
+
+
+def _field(path, value):
+    def mutate(d):
+        node = d
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+        return d
+    return mutate
+
+
+def _unknown_access_op(d):
+    d["tensors"][3]["accesses"][1][2] = "no_such_op"
+    return d
+
+
+def _time_backwards(d):
+    d["ops"][5][2] = d["ops"][4][2] / 2
+    return d
+
+
+MALFORMED = {
+    "top-level list": (lambda d: [d], "trace: expected a JSON object, got a list of 1 item"),
+    "unknown access op": (_unknown_access_op, "trace.tensors[3].accesses[1][2] (op): 'no_such_op' is not an executed"),
+    "size as a string": (_field(["tensors", 3, "nbytes"], "abc"),
+                         "trace.tensors[3].nbytes: expected a non-negative integer, got 'abc'"),
+    "time as a string": (_field(["ops", 2, 2], "0.5"), "trace.ops[2][2] (start): expected a non-negative number"),
+    "graph entry not an object": (_field(["graph", "ops", 0], ["x"]),
+                                  "trace.graph.ops[0]: expected a JSON object, got a list of 1 item"),
+    "negative sizes": (_negate_sizes, "trace.peak_bytes: expected a non-negative integer"),
+    "negative nbytes": (_field(["tensors", 3, "nbytes"], -(1 << 20)), "trace.tensors[3].nbytes: expected a non-neg"),
+    "negative persistent": (_field(["persistent_bytes"], -1), "trace.persistent_bytes: expected a non-negative"),
+    "negative duration": (_field(["ops", 2, 3], -0.25), "trace.ops[2][3] (duration): expected a non-negative number"),
+    "times going backwards": (_time_backwards, "trace.ops[5][2] (start): ops are in executed order"),
+}
+
+
+def assert_one_line_error(code, out, err, expected):
+    assert code == 2, (out, err)
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("capuchin_tf plan: error: "), err
+    assert expected in lines[0], err
+    assert out == ""
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_trace_is_one_line_error(trace_file, capsys, tmp_path, case):
+    _, trace = trace_file
+    mutate, expected = MALFORMED[case]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_mutated(trace, mutate)))
+    code, out, err = run(capsys, "plan", "--trace", str(bad), "--budget-mb", "30", "--link", "p100",
+                         "--json", str(tmp_path / "plan.json"))
+    assert_one_line_error(code, out, err, expected)
+    assert f"cannot read trace {bad}: " in err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_unreadable_trace_files_are_one_line_errors(trace_file, capsys, tmp_path):
+    path, _ = trace_file
+    for name, data, expected in [
+        ("junk.json", b"[1, 2", "not valid JSON"),
+        ("binary.json", b"\xff\xfe\x00\x01", "not valid JSON"),
+        ("empty.json", b"", "not valid JSON"),
+        ("trace.json.gz", __import__("gzip").compress(path.read_bytes()), "gzip"),
+    ]:
+        p = tmp_path / name
+        p.write_bytes(data)
+        code, out, err = run(capsys, "plan", "--trace", str(p), "--budget-mb", "30")
+        assert_one_line_error(code, out, err, expected)
+    code, out, err = run(capsys, "plan", "--trace", str(tmp_path), "--budget-mb", "30")  # a directory
+    assert_one_line_error(code, out, err, "trace file not found")
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--budget-mb", "0"], "--budget-mb must be a positive number of MiB, got '0'"),
+    (["--budget-mb", "-5"], "--budget-mb must be a positive number of MiB, got '-5'"),
+    (["--budget-mb", "1e-12"], "--budget-mb must be a positive number of MiB"),
+    (["--budget-mb", "nan"], "--budget-mb must be a positive number of MiB"),
+    (["--budget-mb", "inf"], "--budget-mb must be a positive number of MiB"),
+    (["--budget-mb", "lots"], "--budget-mb must be a number of MiB, got 'lots'"),
+    (["--budget-mb", "30", "--margin-mb", "-1"], "--margin-mb must be a non-negative number of MiB"),
+    (["--budget-mb", "30", "--policy", "vdnn"], "unknown policy 'vdnn'"),
+    (["--budget-mb", "30", "--link", "warp"], "unknown link 'warp'"),
+    (["--budget-mb", "30", "--link", "0"], "link bandwidth must be a positive number of bytes/s"),
+    (["--budget-mb", "30", "--link=-1e9"], "link bandwidth must be a positive number of bytes/s"),
+    (["--budget-mb", "30", "--link", "nan"], "link bandwidth must be a positive number of bytes/s"),
+])
+def test_bad_plan_arguments_are_one_line_errors(trace_file, capsys, argv, expected):
+    path, _ = trace_file
+    code, out, err = run(capsys, "plan", "--trace", str(path), *argv)
+    assert_one_line_error(code, out, err, expected)
+
+
+@pytest.mark.parametrize("case", ["top-level list", "negative sizes", "unknown access op"])
+def test_python_dash_m_reports_a_malformed_trace_in_one_line(trace_file, tmp_path, case):
+    _, trace = trace_file
+    mutate, expected = MALFORMED[case]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_mutated(trace, mutate)))
+    env = dict(os.environ, CAPUCHIN_TF_PURE="1")
+    proc = subprocess.run([sys.executable, "-m", "capuchin_tf", "plan", "--trace", str(bad), "--budget-mb", "45",
+                           "--policy", "capuchin", "--link", "p100", "--json", str(tmp_path / "plan.json")],
+                          capture_output=True, text=True, env=env, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, expected)
