@@ -18,4 +18,5 @@ CAPUCHIN_OPS_HDRS = [
     "kernels/host_store.h",
     "kernels/access_recorder.h",
     "kernels/device_allocator.h",
+    "kernels/kernel_inputs.h",
 ]

@@ -2,6 +2,7 @@
 // kernel side.
 
 #include "device_allocator.h"
+#include "kernel_inputs.h"
 #include "tensorflow/core/framework/op_kernel.h"
 
 namespace tensorflow {
@@ -53,6 +54,7 @@ class SetSmallPoolOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, CheckScalarInput(ctx, 0, "enabled"));
     CapuchinAllocator* allocator = CapuchinAllocator::Installed();
     if (allocator != nullptr) allocator->SetSmallPool(ctx->input(0).scalar<bool>()());
   }

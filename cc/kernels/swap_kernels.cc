@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "host_store.h"
+#include "kernel_inputs.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/variant.h"
 #include "tensorflow/core/framework/variant_encode_decode.h"
@@ -41,13 +42,12 @@ struct SwapHandle {
 };
 
 absl::Status ScalarHandle(OpKernelContext* ctx, int64_t* handle) {
+  TF_RETURN_IF_ERROR(CheckScalarInput(ctx, 0, "handle"));
   const Tensor& t = ctx->input(0);
-  if (!TensorShapeUtils::IsScalar(t.shape())) {
-    return errors::InvalidArgument("handle must be a scalar, got shape ", t.shape().DebugString());
-  }
   const SwapHandle* h = t.scalar<Variant>()().get<SwapHandle>();
   if (h == nullptr || h->guard == nullptr) {
-    return errors::InvalidArgument("not a capuchin_tf swap handle: ", t.scalar<Variant>()().DebugString());
+    return errors::InvalidArgument(ctx->op_kernel().type_string(), ": not a capuchin_tf swap handle: ",
+                                   t.scalar<Variant>()().DebugString());
   }
   *handle = h->guard->handle();
   return absl::OkStatus();
@@ -132,7 +132,10 @@ class GetOp : public OpKernel {
 class SetPassiveModeOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override { HostStore::Global()->SetPassive(ctx->input(0).scalar<bool>()()); }
+  void Compute(OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, CheckScalarInput(ctx, 0, "enabled"));
+    HostStore::Global()->SetPassive(ctx->input(0).scalar<bool>()());
+  }
 };
 
 class DrainStallsOp : public OpKernel {
@@ -264,6 +267,8 @@ class SetLinkBandwidthOp : public OpKernel {
   using OpKernel::OpKernel;
 
   void Compute(OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, CheckScalarInput(ctx, 0, "device_to_host_bytes_per_sec"));
+    OP_REQUIRES_OK(ctx, CheckScalarInput(ctx, 1, "host_to_device_bytes_per_sec"));
     const double out_bps = ctx->input(0).scalar<double>()();
     const double in_bps = ctx->input(1).scalar<double>()();
     OP_REQUIRES(ctx, out_bps >= 0.0 && in_bps >= 0.0,

@@ -25,6 +25,22 @@ absl::Status ShapeFromAttr(InferenceContext* c) {
   return absl::OkStatus();
 }
 
+// Ops that take scalar settings and return nothing. A known non-scalar input is refused when the graph is built;
+// the kernels check again, for eager calls (no shape function runs) and shapes unknown until run time.
+absl::Status ScalarInputsNoOutputs(InferenceContext* c) {
+  ShapeHandle unused;
+  for (int i = 0; i < c->num_inputs(); ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+  return absl::OkStatus();
+}
+
+// Ops that take a scalar handle and return a scalar.
+absl::Status ScalarHandleToScalar(InferenceContext* c) {
+  ShapeHandle unused;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+  c->set_output(0, c->Scalar());
+  return absl::OkStatus();
+}
+
 // Ops that drain a log: every output is a vector of the number of records.
 absl::Status VectorOutputs(InferenceContext* c) {
   for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->Vector(InferenceContext::kUnknownDim));
@@ -62,12 +78,7 @@ REGISTER_OP("Capuchin>Prefetch")
     .Input("handle: variant")
     .Output("handle_out: variant")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle unused;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
-      c->set_output(0, c->Scalar());
-      return absl::OkStatus();
-    })
+    .SetShapeFn(ScalarHandleToScalar)
     .Doc(R"doc(
 Starts bringing a swapped-out tensor back to the device, asynchronously (status OUT -> SWAPPING_IN -> IN).
 
@@ -102,7 +113,7 @@ REGISTER_OP("Capuchin>HandleStatus")
     .Input("handle: variant")
     .Output("status: int32")
     .SetIsStateful()
-    .SetShapeFn(shape_inference::ScalarShape)
+    .SetShapeFn(ScalarHandleToScalar)
     .Doc(R"doc(
 The residency of a handle: 0 IN, 1 SWAPPING_OUT, 2 OUT, 3 SWAPPING_IN, -1 unknown or consumed.
 )doc");
@@ -111,7 +122,7 @@ REGISTER_OP("Capuchin>ReleaseHandle")
     .Input("handle: variant")
     .Output("released: bool")
     .SetIsStateful()
-    .SetShapeFn(shape_inference::ScalarShape)
+    .SetShapeFn(ScalarHandleToScalar)
     .Doc(R"doc(
 Drops a handle without consuming it, freeing its host (or device) buffer. False if the handle was unknown.
 )doc");
@@ -147,10 +158,13 @@ REGISTER_OP("Capuchin>SetLinkBandwidth")
     .Input("device_to_host_bytes_per_sec: double")
     .Input("host_to_device_bytes_per_sec: double")
     .SetIsStateful()
-    .SetShapeFn(shape_inference::NoOutputs)
+    .SetShapeFn(ScalarInputsNoOutputs)
     .Doc(R"doc(
 Sets the emulated link: each copy of N bytes in a direction takes at least N / bandwidth seconds, one copy at a time
 per direction, overlapping compute. 0 turns emulation off for that direction (the default).
+
+device_to_host_bytes_per_sec: a scalar, >= 0.
+host_to_device_bytes_per_sec: a scalar, >= 0.
 )doc");
 
 REGISTER_OP("Capuchin>Hold")
@@ -182,20 +196,24 @@ brought back synchronously first (the paper's access failure), and the wait is r
 REGISTER_OP("Capuchin>SetPassiveMode")
     .Input("enabled: bool")
     .SetIsStateful()
-    .SetShapeFn(shape_inference::NoOutputs)
+    .SetShapeFn(ScalarInputsNoOutputs)
     .Doc(R"doc(
 Turns passive mode on or off: when on, an allocation that would fail makes the device allocator wrapper evict
 tensors that only the pool holds (oldest hold first, preferring one of about the needed size) to host memory, and
 retry.
+
+enabled: a scalar.
 )doc");
 
 REGISTER_OP("Capuchin>SetSmallPool")
     .Input("enabled: bool")
     .SetIsStateful()
-    .SetShapeFn(shape_inference::NoOutputs)
+    .SetShapeFn(ScalarInputsNoOutputs)
     .Doc(R"doc(
 Turns the device allocator wrapper's small-tensor pool on or off: when on (and the device has one, i.e. it is the
 simulated device), allocations of at most 64 KiB come from a pool of their own while it has room.
+
+enabled: a scalar.
 )doc");
 
 REGISTER_OP("Capuchin>DrainStalls")
