@@ -21,6 +21,7 @@ from capuchin_tf.ops import (  # noqa: E402
     release_handle,
     reset_host_store_stats,
     set_link_bandwidth,
+    set_memory_budget,
     swap_in,
     swap_out,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "release_handle",
     "reset_host_store_stats",
     "set_link_bandwidth",
+    "set_memory_budget",
     "swap_in",
     "swap_out",
 ]

@@ -13,6 +13,7 @@ Inside a `tf.function` these are graph nodes; order them with control dependenci
 from __future__ import annotations
 
 import enum
+import numbers
 
 import numpy as np
 import tensorflow as tf
@@ -131,6 +132,25 @@ def set_small_pool(enabled: bool) -> None:
     _ops.capuchin_set_small_pool(tf.constant(bool(enabled)))
 
 
+def set_memory_budget(nbytes: int | None) -> None:
+    """Sets the memory budget the device allocator enforces, in bytes (None or 0: none, the default).
+
+    While it is set and below the device's limit, no allocation may take the device's bytes in use, hence the peak
+    `tf.config.experimental.get_memory_info('CPU:0')` reports, above it: an allocation that might (counting the most
+    the device's BFC allocator can hand out for it) fails at once with TensorFlow's usual ResourceExhaustedError, or,
+    in passive mode, first evicts pooled tensors and waits for copies in flight. Set it between steps: allocations
+    under way are not checked, and bytes already in use stay. Needs the simulated device (FailedPreconditionError
+    otherwise); `allocator_stats()["budget_bytes"]` reads it back.
+    """
+    if nbytes is None:
+        nbytes = 0
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral):
+        raise TypeError(f"memory budget must be an int number of bytes or None, got {nbytes!r}")
+    if nbytes < 0:
+        raise ValueError(f"memory budget must be >= 0 bytes (0 or None: no budget), got {nbytes}")
+    _ops.capuchin_set_memory_budget(tf.constant(int(nbytes), tf.int64))
+
+
 def drain_stalls() -> dict[str, np.ndarray]:
     """Stalls recorded since the last drain: `start_ns`, `end_ns` (CLOCK_MONOTONIC), `bytes`, `kind` (0 passive
     eviction, 1 a get that brought an evicted tensor back, 2 a swap-in that waited for its copy, 3 a prefetched
@@ -161,11 +181,11 @@ def drain_access_records() -> dict[str, np.ndarray]:
 
 
 def allocator_stats(device: str = "/device:CPU:0") -> dict[str, int | bool]:
-    """The device allocator's bytes in use, peak and limit (-1 if not tracked), whether capuchin_tf wraps it, and the
+    """The device allocator's bytes in use, peak and limit (-1 if not tracked), whether capuchin_tf wraps it, the
     same three for the wrapper's small-tensor pool (-1 without one; the pool's region counts in the device's bytes in
-    use as one allocation)."""
+    use as one allocation), and the memory budget set by `set_memory_budget` (`budget_bytes`, 0: none)."""
     with tf.device(device):
-        in_use, peak, limit, wrapped, small_in_use, small_peak, small_limit = _ops.capuchin_allocator_stats()
+        in_use, peak, limit, wrapped, small_in_use, small_peak, small_limit, budget = _ops.capuchin_allocator_stats()
     return {
         "bytes_in_use": int(in_use),
         "peak_bytes_in_use": int(peak),
@@ -174,4 +194,5 @@ def allocator_stats(device: str = "/device:CPU:0") -> dict[str, int | bool]:
         "small_pool_bytes_in_use": int(small_in_use),
         "small_pool_peak_bytes_in_use": int(small_peak),
         "small_pool_bytes_limit": int(small_limit),
+        "budget_bytes": int(budget),
     }

@@ -15,6 +15,7 @@ CASES = {
     "Capuchin>SetSmallPool": ("capuchin_set_small_pool", 0, "enabled", [False]),
     "Capuchin>SetLinkBandwidth/0": ("capuchin_set_link_bandwidth", 0, "device_to_host_bytes_per_sec", [0.0, 0.0]),
     "Capuchin>SetLinkBandwidth/1": ("capuchin_set_link_bandwidth", 1, "host_to_device_bytes_per_sec", [0.0, 0.0]),
+    "Capuchin>SetMemoryBudget": ("capuchin_set_memory_budget", 0, "bytes", [0]),
     "Capuchin>Prefetch": ("capuchin_prefetch", 0, "handle", ["handle"]),
     "Capuchin>SwapIn": ("capuchin_swap_in", 0, "handle", ["handle"]),
     "Capuchin>Get": ("capuchin_get", 0, "handle", ["handle"]),
@@ -46,7 +47,8 @@ def run(case, wrapper, index, values):
     handles = [make_handle(tf.constant([1.0, 2.0]), "a"), make_handle(tf.constant([3.0]), "b")]
 
     def constant(v, shape):
-        return tf.fill(shape, tf.constant(v, tf.float64 if isinstance(v, float) else None))
+        dtype = {{float: tf.float64, int: tf.int64, bool: tf.bool}}[type(v)]
+        return tf.fill(shape, tf.constant(v, dtype))
 
     def scalar(v):
         return handles[0] if v == "handle" else constant(v, [])

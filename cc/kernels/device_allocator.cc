@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -54,7 +55,7 @@ double FragmentationFraction() {
   return 1.0 / 128;
 }
 
-tsl::BFCAllocator* SimulatedDeviceAllocator() {
+tsl::BFCAllocator* SimulatedDeviceAllocator(double fragmentation_fraction) {
   const char* use_bfc = std::getenv("TF_CPU_ALLOCATOR_USE_BFC");
   const char* limit_mb = std::getenv("TF_CPU_BFC_MEM_LIMIT_IN_MB");
   if (use_bfc == nullptr || std::string(use_bfc) != "true" || limit_mb == nullptr) return nullptr;
@@ -64,7 +65,7 @@ tsl::BFCAllocator* SimulatedDeviceAllocator() {
   opts.allow_growth = false;
   opts.allow_retry_on_failure = true;
   opts.garbage_collection = false;
-  opts.fragmentation_fraction = FragmentationFraction();
+  opts.fragmentation_fraction = fragmentation_fraction;
   return new tsl::BFCAllocator(
       std::make_unique<BasicCPUAllocator>(port::kNUMANoAffinity, std::vector<SubAllocator::Visitor>{},
                                           std::vector<SubAllocator::Visitor>{}),
@@ -95,6 +96,13 @@ class RegionSubAllocator : public SubAllocator {
       : SubAllocator({}, {}), device_(device), region_(std::move(region)) {}
 
   void* Alloc(size_t alignment, size_t num_bytes, size_t* bytes_received) override {
+    // One region only: Owner() knows one, and the memory budget counts the region's bytes at the pool's first
+    // allocation only. (The pool's BFC asks again if the device gave it less than asked for, backing off 10% at a
+    // time, when the device was nearly full at the first small allocation; the pool is then smaller.)
+    if (region_[0].load() != 0) {
+      *bytes_received = 0;
+      return nullptr;
+    }
     AllocationAttributes no_retry(false, true, nullptr);
     void* ptr = device_->AllocateRaw(std::max<size_t>(alignment, Allocator::kAllocatorAlignment), num_bytes, no_retry);
     *bytes_received = ptr == nullptr ? 0 : num_bytes;
@@ -119,11 +127,12 @@ class RegionSubAllocator : public SubAllocator {
 CapuchinAllocator* SharedWrapper() {
   static std::once_flag once;
   std::call_once(once, [] {
-    tsl::BFCAllocator* bfc = SimulatedDeviceAllocator();
+    const double fragmentation_fraction = FragmentationFraction();
+    tsl::BFCAllocator* bfc = SimulatedDeviceAllocator(fragmentation_fraction);
     Allocator* base = bfc;
     if (base == nullptr) base = ProcessState::singleton()->GetCPUAllocator(port::kNUMANoAffinity);
     const size_t small = bfc == nullptr ? 0 : SmallPoolBytes(static_cast<int64_t>(*bfc->GetStats()->bytes_limit));
-    g_installed.store(new CapuchinAllocator(base, bfc, small));
+    g_installed.store(new CapuchinAllocator(base, bfc, small, fragmentation_fraction));
   });
   return g_installed.load();
 }
@@ -171,13 +180,22 @@ struct RegisterFactory {
 
 CapuchinAllocator* CapuchinAllocator::Installed() { return g_installed.load(); }
 
-CapuchinAllocator::CapuchinAllocator(Allocator* base, tsl::BFCAllocator* bfc, size_t small_pool_bytes)
+CapuchinAllocator::CapuchinAllocator(Allocator* base, tsl::BFCAllocator* bfc, size_t small_pool_bytes,
+                                     double fragmentation_fraction)
     : base_(base),
       bfc_(bfc),
+      small_pool_bytes_(small_pool_bytes),
       small_region_(new std::atomic<uintptr_t>[2]),
       trace_owners_(std::getenv("CAPUCHIN_TF_TRACE_EVICT") != nullptr) {
   small_region_[0].store(0);
   small_region_[1].store(0);
+  if (bfc != nullptr) {
+    bfc_limit_ = bfc->GetStats()->bytes_limit.value_or(0);
+    // As BFCAllocator computes it from its options (a double truncated to int64).
+    max_fragmentation_bytes_ = fragmentation_fraction > 0.0
+                                   ? static_cast<int64_t>(fragmentation_fraction * static_cast<double>(bfc_limit_))
+                                   : int64_t{128} << 20;
+  }
   if (bfc != nullptr && small_pool_bytes >= 256) {
     tsl::BFCAllocator::Options opts;
     opts.allow_growth = false;  // one region of the whole pool, taken at the first small allocation
@@ -204,6 +222,9 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes) {
 }
 
 void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const AllocationAttributes& attr) {
+  // No budget (or one the device's own limit already enforces): the path below, unchanged, at the cost of this load.
+  const int64_t budget = enforced_budget_.load(std::memory_order_relaxed);
+  if (budget > 0) return AllocateWithinBudget(alignment, num_bytes, attr, budget);
   void* ptr = nullptr;
   if (small_ != nullptr && num_bytes > 0 && num_bytes <= kSmallMaxBytes && small_on_.load(std::memory_order_relaxed)) {
     AllocationAttributes no_retry(false, attr.allocation_will_be_logged, attr.freed_by_func);
@@ -251,6 +272,136 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const A
     if (ptr == nullptr && std::getenv("CAPUCHIN_TF_DEBUG_EVICT") == nullptr) return nullptr;
   }
   if (ptr == nullptr) ptr = base_->AllocateRaw(alignment, num_bytes, attr);
+  if (ptr != nullptr) {
+    allocations_.fetch_add(1, std::memory_order_relaxed);
+    if (trace_owners_) RecordOwner(ptr, num_bytes);
+  }
+  return ptr;
+}
+
+absl::Status CapuchinAllocator::SetMemoryBudget(int64_t bytes) {
+  if (bytes < 0) return errors::InvalidArgument("capuchin_tf: a memory budget is >= 0 bytes (0: none), got ", bytes);
+  if (bytes > 0 && bfc_ == nullptr) {
+    return errors::FailedPrecondition(
+        "capuchin_tf: a memory budget needs the simulated device (TF_CPU_ALLOCATOR_USE_BFC=true and "
+        "TF_CPU_BFC_MEM_LIMIT_IN_MB set before TensorFlow starts): only there can the allocator wrapper read the "
+        "device's bytes in use");
+  }
+  budget_.store(bytes, std::memory_order_relaxed);
+  enforced_budget_.store(bytes > 0 && bytes < bfc_limit_ ? bytes : 0, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+// The most an allocation of `num_bytes` can add to the device BFC's bytes_in_use, from tsl's bfc_allocator.cc as
+// TensorFlow 2.21 builds it (FindChunkPtr with a freed_before count, no alignment padding):
+//   - AllocateRawInternal rounds the request up to a multiple of kMinAllocationSize, 256 (RoundedBytes);
+//   - FindChunkPtr takes the smallest free chunk of at least that size (bins in size order, each ordered by size),
+//     and splits it to exactly the rounded size only
+//       if (chunk->size >= rounded_bytes * 2 ||
+//           static_cast<int64_t>(chunk->size) - rounded_bytes >= max_internal_fragmentation_bytes)
+//     with max_internal_fragmentation_bytes = fragmentation_fraction * memory_limit_ (128 MiB when the fraction is
+//     0); then `stats_.bytes_in_use += chunk->size` and peak_bytes_in_use follows it.
+// Chunk sizes are multiples of 256 (the region is, and every split is at a rounded size), so an unsplit chunk is
+// larger than the rounded size by less than min(rounded, max_internal_fragmentation_bytes): by at most that, rounded
+// up to 256, minus 256. The bound is exact in the worst case (BFC adds exactly that when such a chunk is the best
+// fit) and conservative otherwise. The chunk BFC will actually pick cannot be relied on: a free on another thread,
+// which is not serialized with allocations, can coalesce a new best fit at any time.
+int64_t CapuchinAllocator::MaxBytesAdded(size_t num_bytes) const {
+  constexpr int64_t kMinAllocationSize = 256;
+  if (num_bytes == 0) return 0;  // BFC allocates nothing
+  if (num_bytes > static_cast<size_t>(bfc_limit_)) return std::numeric_limits<int64_t>::max() / 4;  // never fits
+  const int64_t rounded = (static_cast<int64_t>(num_bytes) + kMinAllocationSize - 1) / kMinAllocationSize *
+                          kMinAllocationSize;
+  const int64_t unsplit_below = std::min(rounded, max_fragmentation_bytes_);
+  const int64_t surplus =
+      unsplit_below <= 0 ? 0 : (unsplit_below + kMinAllocationSize - 1) / kMinAllocationSize * kMinAllocationSize -
+                                   kMinAllocationSize;
+  return rounded + surplus;
+}
+
+// Admission keeps this invariant: bytes in use + what the admitted, unfinished allocations can still add <= budget.
+// An admission reads bytes in use at one instant with the admitted bytes constant (both under `budget_mu_`); after
+// that instant bytes in use grow only by admitted allocations finishing, each by at most what it was admitted for,
+// which it keeps counted until it has finished. So BFC's bytes in use, and its peak, never pass the budget, while
+// the allocations themselves run concurrently (BFC serializes them itself).
+template <typename AllocateFn>
+void* CapuchinAllocator::Admit(int64_t budget, int64_t bytes_added, int64_t* excess, AllocateFn allocate) {
+  {
+    std::lock_guard<std::mutex> lock(budget_mu_);
+    const int64_t in_use = bfc_->GetStats()->bytes_in_use;
+    const int64_t over = in_use + admitted_bytes_ + bytes_added - budget;
+    if (over > 0) {
+      *excess = over;
+      return nullptr;
+    }
+    admitted_bytes_ += bytes_added;
+  }
+  *excess = 0;
+  void* ptr = allocate();
+  std::lock_guard<std::mutex> lock(budget_mu_);
+  admitted_bytes_ -= bytes_added;
+  return ptr;
+}
+
+void* CapuchinAllocator::AllocateWithinBudget(size_t alignment, size_t num_bytes, const AllocationAttributes& attr,
+                                              int64_t budget) {
+  AllocationAttributes no_retry(false, attr.allocation_will_be_logged, attr.freed_by_func);
+  int64_t excess = 0;
+  void* ptr = nullptr;
+  if (small_ != nullptr && num_bytes > 0 && num_bytes <= kSmallMaxBytes && small_on_.load(std::memory_order_relaxed)) {
+    // Inside the pool's region the device's bytes in use do not change; the pool's first allocation takes the
+    // region from the device. Refused, the allocation goes to the device as below.
+    auto small = [&] { return small_->AllocateRaw(alignment, num_bytes, no_retry); };
+    ptr = small_region_[0].load() != 0 ? small() : Admit(budget, MaxBytesAdded(small_pool_bytes_), &excess, small);
+    if (ptr != nullptr) {
+      allocations_.fetch_add(1, std::memory_order_relaxed);
+      return ptr;
+    }
+  }
+  const int64_t bytes_added = MaxBytesAdded(num_bytes);
+  HostStore* store = HostStore::Global();
+  if (!store->passive()) {
+    // Refused: fail at once, and the runtime retries the step with a tighter plan. BFC's own wait at its limit
+    // would mostly delay the same error by 10 s. Admitted, the allocation runs as it would without a budget.
+    ptr = Admit(budget, bytes_added, &excess, [&] { return base_->AllocateRaw(alignment, num_bytes, attr); });
+  } else {
+    // Passive mode, as in AllocateRaw with the budget in place of the device's limit: over the budget, evict the
+    // oldest evictable tensors until `excess` bytes are freed, anywhere on the device (it is larger than the budget:
+    // the bytes need not be contiguous); within the budget but without a free chunk large enough on the device,
+    // evict one contiguous run as without a budget. Then wait for copies in flight, up to 10 s.
+    {
+      std::shared_lock<std::shared_mutex> shared(evict_mu_);
+      ptr = Admit(budget, bytes_added, &excess, [&] { return base_->AllocateRaw(alignment, num_bytes, no_retry); });
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (ptr == nullptr) {
+      int64_t generation = -1;
+      {
+        std::unique_lock<std::shared_mutex> exclusive(evict_mu_);
+        for (;;) {
+          ptr = Admit(budget, bytes_added, &excess, [&] { return base_->AllocateRaw(alignment, num_bytes, no_retry); });
+          if (ptr != nullptr) break;
+          const int64_t freed = excess > 0 ? store->EvictFor(excess, ChunkMap(), /*contiguous=*/false)
+                                           : store->EvictFor(static_cast<int64_t>(num_bytes), ChunkMap());
+          if (freed == 0) break;
+        }
+        if (ptr == nullptr) generation = store->CopyGeneration();
+      }
+      if (ptr != nullptr || generation < 0) break;
+      const int64_t deadline_ns =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(deadline.time_since_epoch()).count();
+      if (!store->WaitForCopy(generation, deadline_ns)) break;
+    }
+  }
+  if (ptr == nullptr && excess > 0) {
+    // TensorFlow's error names the device's allocator, which is not full: say why.
+    static std::atomic<int> logged{0};
+    if (logged.fetch_add(1, std::memory_order_relaxed) < 10) {
+      LOG(WARNING) << "capuchin: refused an allocation of " << num_bytes << " bytes (up to " << bytes_added
+                   << " on the device): the device's bytes in use would pass the memory budget of " << budget
+                   << " bytes by up to " << excess << (store->passive() ? " with nothing left to evict" : "");
+    }
+  }
   if (ptr != nullptr) {
     allocations_.fetch_add(1, std::memory_order_relaxed);
     if (trace_owners_) RecordOwner(ptr, num_bytes);

@@ -1,9 +1,15 @@
 // capuchin_tf's device allocator: a wrapper around the allocator TensorFlow would give the CPU device, installed by
-// a "CPU" device factory of higher priority than the stock one when the op library loads (tf-notes.md).
+// a "CPU" device factory of higher priority than the stock one when the op library loads (tf-notes.md). It has to be
+// in place before TensorFlow creates its devices, which is why capuchin_tf loads the library at import.
 //
-// In this version it forwards every call (pass-through mode) and counts allocations; the measured-execution layer
-// adds recording of every allocation and free and, in passive mode, eviction on allocation failure. It has to be in
-// place before TensorFlow creates its devices, which is why capuchin_tf loads the library at import.
+// By default it forwards every call and counts allocations (plain TensorFlow runs through it unchanged). On top of
+// that, each switched on by capuchin_tf's runtime:
+//   - passive mode (HostStore::SetPassive): an allocation that fails evicts pooled tensors to host memory and
+//     retries, waiting for copies in flight when nothing is left to evict;
+//   - the small-tensor pool (SetSmallPool), see the constructor;
+//   - a memory budget (SetMemoryBudget) below the simulated device's size: no allocation may take the device's
+//     bytes in use (BFC's, hence its peak and get_memory_info()) above it. An allocation that might is refused
+//     like one at the device's limit: it fails at once, or, in passive mode, evicts until it fits.
 
 #ifndef CAPUCHIN_TF_CC_KERNELS_DEVICE_ALLOCATOR_H_
 #define CAPUCHIN_TF_CC_KERNELS_DEVICE_ALLOCATOR_H_
@@ -11,6 +17,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <shared_mutex>
 #include <string>
@@ -19,6 +26,7 @@
 
 #include "host_store.h"
 
+#include "absl/status/status.h"
 #include "tensorflow/core/framework/allocator.h"
 #include "xla/tsl/framework/bfc_allocator.h"
 
@@ -40,7 +48,11 @@ class CapuchinAllocator : public Allocator {
   // and 256-byte chunks, and a 20 MiB allocation failed). Size-segregated pools are what GPU caching allocators do
   // against this (PyTorch's CUDA allocator: blocks of at most 1 MiB in 2 MiB segments). A small allocation the pool
   // cannot hold goes to `base` as before.
-  CapuchinAllocator(Allocator* base, tsl::BFCAllocator* bfc = nullptr, size_t small_pool_bytes = 0);
+  //
+  // `fragmentation_fraction`: the one `bfc` was built with (BFCAllocator::Options), which decides how much more than
+  // the request an allocation can take from it (MaxBytesAdded).
+  CapuchinAllocator(Allocator* base, tsl::BFCAllocator* bfc = nullptr, size_t small_pool_bytes = 0,
+                    double fragmentation_fraction = 0.0);
 
   static constexpr size_t kSmallMaxBytes = 64 << 10;
 
@@ -53,6 +65,21 @@ class CapuchinAllocator : public Allocator {
   void SetSmallPool(bool on) { small_on_.store(on, std::memory_order_relaxed); }
   // The small-tensor pool's statistics (nullopt without a pool).
   std::optional<AllocatorStats> SmallPoolStats() const;
+
+  // The memory budget, in bytes (0: none). While it is set and below the device's limit, every allocation first
+  // checks that the most it can add to the device's bytes in use (MaxBytesAdded, counting the allocations other
+  // threads have checked and not finished) keeps them at or under the budget. One that might not is refused like
+  // an allocation at the device's limit, except that it never waits: without passive mode it fails at once
+  // (TensorFlow raises its "OOM when allocating tensor" ResourceExhaustedError); in passive mode it first evicts
+  // the oldest evictable tensors, anywhere on the device (the device is larger than the budget, so the bytes need
+  // not be contiguous), and waits for copies in flight, failing only when nothing more can be freed. A budget at or
+  // above the limit changes nothing: the device enforces its own. Allocations already under way when it is set are
+  // not checked, and bytes already in use stay: set it between steps. FailedPrecondition (and no budget) unless the
+  // device is the simulated one, whose bytes in use the wrapper can read.
+  absl::Status SetMemoryBudget(int64_t bytes);
+  int64_t memory_budget() const { return budget_.load(std::memory_order_relaxed); }
+  // The most an allocation of `num_bytes` can add to the simulated device's bytes in use (see the definition).
+  int64_t MaxBytesAdded(size_t num_bytes) const;
 
   // Forwarded unchanged, so that error messages and get_memory_info() stay those of the allocator underneath.
   std::string Name() override { return base_->Name(); }
@@ -77,14 +104,33 @@ class CapuchinAllocator : public Allocator {
   // The allocator a pointer came from: the small pool if it lies in the pool's region, else `base`.
   Allocator* Owner(const void* ptr) const;
 
+  // AllocateRaw while a budget (`budget` bytes, below the device's limit) is set.
+  void* AllocateWithinBudget(size_t alignment, size_t num_bytes, const AllocationAttributes& attr, int64_t budget);
+  // Calls `allocate` if `bytes_added` more bytes in use keep the device within `budget`, counting what the
+  // allocations other threads have admitted and not finished may still add; else returns nullptr without calling
+  // it and sets `*excess` to the bytes that would be over.
+  template <typename AllocateFn>
+  void* Admit(int64_t budget, int64_t bytes_added, int64_t* excess, AllocateFn allocate);
+
   Allocator* const base_;
   tsl::BFCAllocator* const bfc_;
   std::unique_ptr<tsl::BFCAllocator> small_;
+  const size_t small_pool_bytes_;
   std::atomic<bool> small_on_{false};
   // The small pool's region, [begin, end), 0 until it is taken.
   std::shared_ptr<std::atomic<uintptr_t>[]> small_region_;
   // Passive mode: allocations share it; an allocation that evicts holds it alone from its eviction to its retry.
   std::shared_mutex evict_mu_;
+  // The memory budget. `enforced_budget_` is the budget when it is below the device's limit, else 0 (the only
+  // state the allocation path reads when no budget is set). `bfc_limit_` and `max_fragmentation_bytes_` are the
+  // device BFC's bytes_limit and max_internal_fragmentation_bytes.
+  std::atomic<int64_t> budget_{0};
+  std::atomic<int64_t> enforced_budget_{0};
+  int64_t bfc_limit_ = 0;
+  int64_t max_fragmentation_bytes_ = 0;
+  // Admission to the budget: checked and counted under `budget_mu_`, which is never held while allocating.
+  std::mutex budget_mu_;
+  int64_t admitted_bytes_ = 0;  // the most the admitted allocations not yet finished can still add
   // CAPUCHIN_TF_TRACE_EVICT: the op that allocated each buffer of at least 64 KiB, named in the eviction trace's map.
   void RecordOwner(const void* ptr, size_t num_bytes);
   const bool trace_owners_;

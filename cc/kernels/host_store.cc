@@ -301,7 +301,7 @@ std::vector<uint64_t> CheapestWindow(const std::vector<HostStore::ChunkSpan>& ch
 
 }  // namespace
 
-int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks) {
+int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks, bool contiguous) {
   const int64_t start = NowNs();
   std::vector<std::shared_ptr<Entry>> chosen;
   std::vector<Tensor> drop;
@@ -362,7 +362,7 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
     // Where each evictable tensor's buffer starts (taken before anything is evicted; the trace below names them).
     std::unordered_map<uint64_t, std::shared_ptr<Entry>> entry_at;
     for (const auto& e : evictable) entry_at[reinterpret_cast<uint64_t>(e->device.tensor_data().data())] = e;
-    if (chunks != nullptr) {
+    if (chunks != nullptr && contiguous) {
       // BFC rounds every request up to a multiple of 256 bytes.
       const int64_t need = (bytes_needed + 255) / 256 * 256;
       const auto is_evictable = [&entry_at](uint64_t a) { return entry_at.count(a) > 0; };
@@ -372,13 +372,13 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
       }
     }
     for (const auto& e : evictable) {
-      if (!chosen.empty()) break;  // the window is chosen
+      if (!chosen.empty() || !contiguous) break;  // the window is chosen, or any bytes will do
       if (e->bytes >= bytes_needed && e->bytes <= 2 * bytes_needed) {
         chosen.push_back(e);
         freed = e->bytes;
       }
     }
-    if (chosen.empty()) {  // no map, or no window: the oldest ones until enough bytes
+    if (chosen.empty()) {  // no map, no window, or any bytes will do: the oldest ones until enough bytes
       for (const auto& e : evictable) {
         if (freed >= bytes_needed) break;
         chosen.push_back(e);

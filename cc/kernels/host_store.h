@@ -103,7 +103,10 @@ class HostStore {
   absl::Status Get(int64_t handle, const AllocateFn& allocate, DataType expected_dtype, bool last, Tensor* out);
   // `chunks`, when the allocator can tell (the simulated device's BFC), is its memory map in address order: then
   // the pooled tensors evicted are those of the contiguous run of free and evictable chunks that is large enough and
-  // holds the fewest evictable bytes (an allocation needs one free chunk, not free bytes in total).
+  // holds the fewest evictable bytes (an allocation needs one free chunk, not free bytes in total). `contiguous`
+  // false: any `bytes_needed` bytes will do (a memory budget below the device's size is what refused the
+  // allocation), the oldest evictable tensors first; `chunks` then only tells which tensors live in the device's
+  // memory (not in the small-tensor pool, where evicting frees nothing the device counts).
   struct ChunkSpan {
     uint64_t address;
     int64_t size;
@@ -113,7 +116,7 @@ class HostStore {
   };
   // Traces only: a process-wide sequence number ordering allocations and hand-overs.
   static int64_t TraceSeq();
-  int64_t EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks = nullptr);
+  int64_t EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks = nullptr, bool contiguous = true);
   // Copies in flight free device memory when they finish (a swap-out) or make an evictable tensor (a prefetch).
   // CopyGeneration: -1 when no copy is pending, else a number that changes each time one finishes; WaitForCopy
   // waits until it changed or the deadline (CLOCK_MONOTONIC ns) passed, and says whether it changed.

@@ -1,5 +1,5 @@
-// Kernel of Capuchin>AllocatorStats: the device allocator's statistics (and its small-tensor pool's), read from the
-// kernel side.
+// Kernels of Capuchin>AllocatorStats (the device allocator's statistics, its small-tensor pool's and its memory
+// budget, read from the kernel side) and of the wrapper's switches, Capuchin>SetSmallPool and Capuchin>SetMemoryBudget.
 
 #include "device_allocator.h"
 #include "kernel_inputs.h"
@@ -24,8 +24,9 @@ class AllocatorStatsOp : public OpKernel {
     }
     CapuchinAllocator* capuchin = dynamic_cast<CapuchinAllocator*>(allocator);
     const bool wrapped = capuchin != nullptr;
-    int64_t small_in_use = -1, small_peak = -1, small_limit = -1;
+    int64_t small_in_use = -1, small_peak = -1, small_limit = -1, budget = 0;
     if (capuchin != nullptr) {
+      budget = capuchin->memory_budget();
       std::optional<AllocatorStats> small = capuchin->SmallPoolStats();
       if (small.has_value()) {
         small_in_use = small->bytes_in_use;
@@ -42,10 +43,10 @@ class AllocatorStatsOp : public OpKernel {
     out->scalar<int64_t>()() = limit;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &out));
     out->scalar<bool>()() = wrapped;
-    const int64_t small_values[] = {small_in_use, small_peak, small_limit};
-    for (int i = 0; i < 3; ++i) {
+    const int64_t more_values[] = {small_in_use, small_peak, small_limit, budget};
+    for (int i = 0; i < 4; ++i) {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(4 + i, TensorShape({}), &out));
-      out->scalar<int64_t>()() = small_values[i];
+      out->scalar<int64_t>()() = more_values[i];
     }
   }
 };
@@ -60,7 +61,28 @@ class SetSmallPoolOp : public OpKernel {
   }
 };
 
+class SetMemoryBudgetOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, CheckScalarInput(ctx, 0, "bytes"));
+    const int64_t bytes = ctx->input(0).scalar<int64_t>()();
+    OP_REQUIRES(ctx, bytes >= 0,
+                errors::InvalidArgument("Capuchin>SetMemoryBudget: bytes must be >= 0 (0: no budget), got ", bytes));
+    CapuchinAllocator* allocator = CapuchinAllocator::Installed();
+    if (allocator == nullptr) {
+      OP_REQUIRES(ctx, bytes == 0,
+                  errors::FailedPrecondition("Capuchin>SetMemoryBudget: capuchin_tf's allocator wrapper is not "
+                                             "installed (capuchin_tf was imported after TensorFlow created its "
+                                             "devices), so no budget can be enforced"));
+      return;
+    }
+    OP_REQUIRES_OK(ctx, allocator->SetMemoryBudget(bytes));
+  }
+};
+
 REGISTER_KERNEL_BUILDER(Name("Capuchin>AllocatorStats").Device(DEVICE_CPU), AllocatorStatsOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>SetMemoryBudget").Device(DEVICE_CPU), SetMemoryBudgetOp);
 REGISTER_KERNEL_BUILDER(Name("Capuchin>SetSmallPool").Device(DEVICE_CPU), SetSmallPoolOp);
 
 }  // namespace

@@ -216,6 +216,25 @@ simulated device), allocations of at most 64 KiB come from a pool of their own w
 enabled: a scalar.
 )doc");
 
+REGISTER_OP("Capuchin>SetMemoryBudget")
+    .Input("bytes: int64")
+    .SetIsStateful()
+    .SetShapeFn(ScalarInputsNoOutputs)
+    .Doc(R"doc(
+Sets the memory budget the device allocator wrapper enforces (0 turns it off, the default). While it is set and
+below the device's limit, no allocation may take the device's bytes in use (and so its peak) above it: one that might
+(counting the most the device's BFC allocator can hand out for it, rounding and unsplit chunks included) fails at
+once like an allocation at the device's limit, or, in passive mode, first evicts pooled tensors, anywhere on the
+device, and waits for copies in flight, failing only when nothing more can be freed. Allocations under way when it
+is set are not checked and bytes already in use stay: set it between steps. A budget at or above the device's limit
+changes nothing.
+
+FailedPrecondition for a budget other than 0 unless capuchin_tf's allocator wrapper runs the simulated device (the
+only device whose bytes in use the wrapper can read).
+
+bytes: a scalar, >= 0.
+)doc");
+
 REGISTER_OP("Capuchin>DrainStalls")
     .Output("starts_ns: int64")
     .Output("ends_ns: int64")
@@ -266,15 +285,17 @@ REGISTER_OP("Capuchin>AllocatorStats")
     .Output("small_pool_bytes_in_use: int64")
     .Output("small_pool_peak_bytes_in_use: int64")
     .Output("small_pool_bytes_limit: int64")
+    .Output("budget_bytes: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      for (int i = 0; i < 7; ++i) c->set_output(i, c->Scalar());
+      for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->Scalar());
       return absl::OkStatus();
     })
     .Doc(R"doc(
 Statistics of the allocator of the device this op runs on: bytes in use, peak and limit (-1 when the allocator keeps
 none, as the CPU allocator does unless TF_CPU_ALLOCATOR_USE_BFC=true), and whether it is capuchin_tf's allocator
-wrapper (false when capuchin_tf was loaded after TensorFlow had created its devices).
+wrapper (false when capuchin_tf was loaded after TensorFlow had created its devices); the same three for the
+wrapper's small-tensor pool (-1 without one); the memory budget set by Capuchin>SetMemoryBudget (0: none).
 )doc");
 
 }  // namespace capuchin
