@@ -27,6 +27,14 @@ down to --resolution; each trial is a `run` in a fresh process, and every trial 
     python -m capuchin_tf bench maxbatch --model resnet50 --budget-mb 566 --policy capuchin --start 64
         [--max-batch 1024] [--resolution 8] [--steps 6] [--link native|p100] --json out.json
 
+`zoo` runs the conformance zoo (capuchin_tf/zoo.py, docs/zoo.md): each case plain on a 16 GiB device, then under
+`capuchin_tf.function` at persistent + --fraction x its transient peak on a device of that budget and of twice it,
+each run a worker in a fresh process (killed after --timeout s), compared bit for bit and classified. Exit code 0
+when no run is a mismatch or a crash.
+
+    python -m capuchin_tf bench zoo [--cases NAME,...|--ci|--list] [--steps 5] [--fraction 0.5] [--timeout 900]
+        [--json docs/results/zoo.json] [--markdown docs/zoo.md]
+
 Budgets are MiB (2^20 bytes); a user mistake is exit code 2.
 """
 
@@ -50,16 +58,23 @@ LINKS = ("native", "p100")
 PLAN_COUNTS = ("swapped_tensors", "swapped_bytes", "recomputed_tensors", "recomputed_bytes", "replans", "settled")
 
 
-def run_worker(args: list[str], limit_mb: int) -> dict:
+def run_worker(args: list[str], limit_mb: int, timeout: float | None = None) -> dict:
     """Runs `python -m capuchin_tf bench-worker ...` in a fresh process on a simulated device of `limit_mb` MiB.
 
-    The worker's progress lines go to this process's standard output as they come; returns its JSON result.
+    The worker's progress lines go to this process's standard output as they come; returns its JSON result. Raises
+    CliError when the process leaves no result (it died, or ran longer than `timeout` seconds and was killed).
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "capuchin_tf", "bench-worker", *args, "--result", str(out)]
         sys.stdout.flush()
-        proc = subprocess.run(cmd, env=simulated_device_env(limit_mb), stderr=subprocess.PIPE, text=True)
+        try:
+            proc = subprocess.run(cmd, env=simulated_device_env(limit_mb), stderr=subprocess.PIPE, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            raise CliError(f"the worker process was killed after the {timeout:g} s timeout:\n{stderr[-4000:]}\n"
+                           f"timed out after {timeout:g} s") from None
         if not out.exists():
             raise CliError(f"the worker process failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
         return json.loads(out.read_text())
@@ -77,6 +92,12 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curve", help="write the last step's device-memory curve (JSON [[s, bytes], ...]) there")
     p.add_argument("--stop-on-rescue", action="store_true",
                    help="stop at the first step that passive mode had to rescue (maxbatch: that batch does not run)")
+    p.add_argument("--device-mb", type=int, default=None,
+                   help="the simulated device's size, MiB, recorded (the parent sets it in the environment; default: "
+                        "--budget-mb)")
+    p.add_argument("--record-errors", action="store_true",
+                   help="record any error of the build or a step in the result (error_type, error, traceback) "
+                        "instead of failing the process (bench zoo)")
 
 
 def _machine() -> dict:
@@ -94,6 +115,8 @@ def _machine() -> dict:
 def _run_worker(a: argparse.Namespace) -> int:
     import datetime
     import time
+    import traceback
+    import warnings
 
     import tensorflow as tf
 
@@ -104,29 +127,67 @@ def _run_worker(a: argparse.Namespace) -> int:
     def error_line(e: Exception) -> str:
         return f"{type(e).__name__}: {oom_line(e)}"
 
+    # capuchin_tf says with a RuntimeWarning "capuchin_tf: ..." when it leaves a step to plain TensorFlow: record
+    # every such warning (and show it), whatever the warning filters would do with a repeated one.
+    capuchin_warnings: list[str] = []
+    show = warnings.showwarning
+
+    def record_warning(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if issubclass(category, RuntimeWarning) and text.startswith("capuchin_tf:"):
+            capuchin_warnings.append(text)
+            print(f"  warning: {text}", flush=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = record_warning
+    warnings.filterwarnings("always", message="capuchin_tf:", category=RuntimeWarning)
+    recorded = (Exception,) if a.record_errors else (tf.errors.ResourceExhaustedError, capuchin_tf.CapuchinError)
+
+    def record_error(e: Exception) -> None:
+        result.update(ok=False, error=error_line(e), error_type=type(e).__name__,
+                      error_traceback=traceback.format_exc()[-6000:])
+        if isinstance(e, capuchin_tf.CapuchinError):
+            result["capuchin_error"] = str(e)
+
     budget = a.budget_mb * MiB
+    device_mb = a.budget_mb if a.device_mb is None else a.device_mb
     result: dict = {
         "model": a.model, "batch": a.batch, "policy": a.policy, "link": a.link, "steps": a.steps,
-        "budget_mb": a.budget_mb, "budget_bytes": budget, "tf_version": tf.__version__,
+        "budget_mb": a.budget_mb, "budget_bytes": budget, "device_mb": device_mb,
+        "device_limit_bytes": int(capuchin_tf.allocator_stats()["bytes_limit"]), "tf_version": tf.__version__,
         "capuchin_tf_version": capuchin_tf.__version__, "date": datetime.date.today().isoformat(),
         "machine": _machine(), "ok": True, "error": None, "persistent_bytes": None, "peak_bytes": None,
         "step_peak_bytes": [], "step_s": [], "phases": [], "late_prefetches": [], "retries": [], "losses": [],
         "median_step_s": None, "samples_per_s": None, "swapped_tensors": 0, "swapped_bytes": 0,
         "recomputed_tensors": 0, "recomputed_bytes": 0, "replans": 0, "settled": None, "report": None,
-        "settled_steps": 0, "settled_median_step_s": None,
+        "settled_steps": 0, "settled_median_step_s": None, "error_type": None, "error_traceback": None,
+        "capuchin_error": None, "capuchin_warnings": capuchin_warnings,
     }
     try:
         setup = models.build(a.model, a.batch)
     except tf.errors.ResourceExhaustedError as e:
-        result.update(ok=False, error=f"the model does not build on this device: {error_line(e)}", losses_hex=[],
+        record_error(e)
+        result.update(error=f"the model does not build on this device: {error_line(e)}", losses_hex=[],
                       variables_sha256=None)
+        pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
+        return 0
+    except recorded as e:
+        record_error(e)
+        result.update(error=f"the model does not build: {error_line(e)}", losses_hex=[], variables_sha256=None)
         pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
         return 0
     result["model_info"] = setup.info
     result["persistent_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["current"]
     managed = None
     if a.policy != "tf":
-        managed = capuchin_tf.function(setup.train_step, memory_budget=budget, policy=a.policy, link=a.link)
+        try:
+            managed = capuchin_tf.function(setup.train_step, memory_budget=budget, policy=a.policy, link=a.link)
+        except recorded as e:
+            record_error(e)
+            result.update(losses_hex=[], variables_sha256=setup.variables_sha256())
+            pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
+            return 0
     if managed is not None and a.stop_on_rescue:
         managed.passive_rescue = False  # a step passive mode would have to rescue ends the run at once
     step = setup.train_step if managed is None else managed
@@ -155,8 +216,8 @@ def _run_worker(a: argparse.Namespace) -> int:
             print(f"  step {i + 1}/{a.steps} ({phase}): {seconds:.2f} s, peak {peak / MiB:.1f} MiB"
                   + (f", {late} late prefetches" if late else "")
                   + (f", {evicted / MiB:.1f} MiB evicted on demand" if evicted else ""), flush=True)
-    except (tf.errors.ResourceExhaustedError, capuchin_tf.CapuchinError) as e:
-        result.update(ok=False, error=error_line(e))
+    except recorded as e:
+        record_error(e)
         print(f"  step {len(result['losses']) + 1}/{a.steps}: {result['error']}", flush=True)
     if result["step_peak_bytes"]:
         result["peak_bytes"] = max(result["step_peak_bytes"])
@@ -286,6 +347,22 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     maxbatch.add_argument("--steps", type=int, default=6, help="steps per trial (default 6; the last 3 must be "
                                                                 "clean)")
     maxbatch.add_argument("--json", required=True, help="where to write the result")
+    zoo = sub.add_parser("zoo", help="the conformance zoo: each case plain, then decorated at persistent + fraction x "
+                                     "transient peak on a device of the budget and of twice it, bit for bit "
+                                     "(docs/zoo.md)")
+    which = zoo.add_mutually_exclusive_group()
+    which.add_argument("--cases", help="comma-separated case names or groups (applications, layers, setups, tiers); "
+                                       "default: every case")
+    which.add_argument("--ci", action="store_true", help="the fast cases CI runs (tests/test_zoo.py)")
+    which.add_argument("--list", action="store_true", help="print the cases and exit")
+    zoo.add_argument("--steps", type=int, default=5, help="steps per run (default 5; the first is the measured one)")
+    zoo.add_argument("--fraction", type=float, default=0.5,
+                     help="budget = persistent + this fraction of the plain transient peak (default 0.5)")
+    zoo.add_argument("--timeout", type=float, default=900.0,
+                     help="seconds per process before it is killed and the run counted a crash (default 900)")
+    zoo.add_argument("--json", help="write the results here (after every case)")
+    zoo.add_argument("--markdown", help="write the table into this file, between its zoo-table markers "
+                                        "(docs/zoo.md)")
 
 
 def _validate(a: argparse.Namespace) -> None:
@@ -310,9 +387,11 @@ def _validate(a: argparse.Namespace) -> None:
     if not pathlib.Path(a.json).parent.is_dir():
         raise CliError(f"cannot write {a.json}: {pathlib.Path(a.json).parent} is not a directory")
     from capuchin_tf.models import MODELS
+    from capuchin_tf.zoo import is_zoo_model
 
-    if a.model not in MODELS:
-        raise CliError(f"unknown model {a.model!r}; valid models: {', '.join(MODELS)}")
+    if a.model not in MODELS and not is_zoo_model(a.model):
+        raise CliError(f"unknown model {a.model!r}; valid models: {', '.join(MODELS)} (and the zoo's cases: "
+                       "python -m capuchin_tf bench zoo --list)")
 
 
 def _worker_args(a: argparse.Namespace, policy: str, budget_mb: int) -> list[str]:
@@ -340,7 +419,37 @@ def _summary(r: dict) -> str:
     return f"{peak}, persistent {r['persistent_bytes'] / MiB:.1f} MiB; {speed}; {plan}"
 
 
+def _zoo(a: argparse.Namespace) -> int:
+    from capuchin_tf import zoo
+
+    if a.list:
+        print(zoo.describe())
+        return 0
+    if a.steps < 1:
+        raise CliError(f"--steps must be at least 1, got {a.steps}")
+    if not 0.0 < a.fraction <= 1.0:
+        raise CliError(f"--fraction must be in (0, 1], got {a.fraction}")
+    if a.timeout <= 0:
+        raise CliError(f"--timeout must be positive, got {a.timeout}")
+    for path in (a.json, a.markdown):
+        if path and not pathlib.Path(path).parent.is_dir():
+            raise CliError(f"cannot write {path}: {pathlib.Path(path).parent} is not a directory")
+    try:
+        cases = zoo.select(a.cases, a.ci)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if not cases:
+        raise CliError("no case selected")
+    arguments = " ".join(sys.argv[sys.argv.index("zoo") + 1:]) if "zoo" in sys.argv else ""
+    print(f"bench zoo: {len(cases)} cases, {a.steps} steps per run, budget = persistent + {a.fraction:g} x transient "
+          f"peak, timeout {a.timeout:g} s per process", flush=True)
+    return zoo.run_zoo(cases, a.steps, a.fraction, a.json, a.markdown, a.timeout, arguments=arguments,
+                       echo=lambda line: print(line, flush=True))
+
+
 def _run(a: argparse.Namespace) -> int:
+    if a.action == "zoo":
+        return _zoo(a)
     if a.action == "maxbatch":
         a.batch = a.start
         _validate(a)
@@ -397,6 +506,7 @@ def _run(a: argparse.Namespace) -> int:
 
 register_subcommand("bench", _add_arguments, _run,
                     help="train a named model under a memory budget and measure it (run), compare it bit for bit "
-                         "with plain TensorFlow (equal), or find the largest batch that runs (maxbatch)")
+                         "with plain TensorFlow (equal), find the largest batch that runs (maxbatch), or run the "
+                         "conformance zoo (zoo)")
 register_subcommand("bench-worker", _add_worker_arguments, _run_worker,
                     help="(internal) one run of `bench` in a fresh process")

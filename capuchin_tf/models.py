@@ -426,8 +426,13 @@ def build(name: str, batch: int, seed: int = 0) -> TrainingSetup:
     """Builds model `name` (see MODELS / describe()) for batch size `batch` and returns its training step.
 
     Seeds Keras with `seed`, enables op determinism, builds the optimizer's variables and traces the step once, so
-    `setup.train_step(*setup.inputs)` creates no variables and does not retrace.
+    `setup.train_step(*setup.inputs)` creates no variables and does not retrace. Names starting with "zoo/" are the
+    conformance zoo's cases (capuchin_tf.zoo.CASES), not in MODELS.
     """
+    if name.startswith("zoo/"):  # the conformance zoo's cases (capuchin_tf/zoo.py), outside the benchmark tiers
+        from capuchin_tf import zoo
+
+        return zoo.build(name, batch, seed)
     _check_name_and_batch(name, batch)
     keras.utils.set_random_seed(seed)
     tf.config.experimental.enable_op_determinism()
