@@ -8,6 +8,7 @@ from the captured graph's static shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import tensorflow as tf
@@ -16,17 +17,14 @@ from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import cancellation, context
 from tensorflow.python.framework import op_def_registry
 
+from capuchin_tf import control_flow
 from capuchin_tf.graph_model import GraphModel, OpInfo, Role, TensorInfo, propagate_backward_roles, tensor_id
 
 # Ops whose bodies run in nested functions: opaque to capuchin_tf, their inner tensors are not managed.
-CONTROL_FLOW_OPS = frozenset({
+FUNCTIONAL_OPS = frozenset({
     "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
     "PartitionedCall", "StatefulPartitionedCall", "RemoteCall", "For",
 })
-# Control flow lowered into the graph (Grappler lowers While/If in functions): the ops inside a loop frame run
-# once per iteration, so their tensors are not managed either.
-FRAME_OPS = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "Switch", "RefSwitch", "Merge", "RefMerge",
-                       "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger"})
 # Ops whose outputs alias memory that outlives the step (arguments, variables, constants).
 PERSISTENT_PRODUCERS = frozenset({"_Arg", "Placeholder", "Const", "HostConst", "ReadVariableOp", "VarHandleOp",
                                   "VariableV2", "ResourceGather"})
@@ -180,21 +178,8 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
             if not inp.startswith("^"):
                 consumers.setdefault(_normalize_input(inp), []).append(node.name)
 
-    # Ops inside loop frames: reachable from an Enter without passing an Exit.
-    by_name = {n.name: n for n in nodes}
-    in_frame: set[str] = set()
-    frontier = [n.name for n in nodes if n.op in ("Enter", "RefEnter")]
-    while frontier:
-        name = frontier.pop()
-        if name in in_frame:
-            continue
-        in_frame.add(name)
-        node = by_name[name]
-        if node.op in ("Exit", "RefExit"):
-            continue
-        for slot in range(8):
-            for c in consumers.get(f"{name}:{slot}", ()):
-                frontier.append(c)
+    # Lowered conds and loops: which ops always run (control_flow.py).
+    flow = control_flow.of_graph_def(graph_def)
     ops, tensors = [], []
     for node in nodes:
         op_def = op_def_registry.get(node.op)
@@ -226,22 +211,22 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
             tensors.append(TensorInfo(
                 id=tid, op=node.name, dtype=dtypes[slot] if slot < len(dtypes) else "unknown", shape=shape,
                 nbytes=nbytes, consumers=tuple(consumers.get(tid, ())),
-                persistent=node.op in PERSISTENT_PRODUCERS or node.name in in_frame,  # never a candidate
+                persistent=node.op in PERSISTENT_PRODUCERS,
             ))
             outputs.append(tid)
-        replayable = (not stateful and node.op not in CONTROL_FLOW_OPS and node.op not in FRAME_OPS
-                      and node.name not in in_frame and node.op not in ("_Arg", "_Retval"))
+        always_runs = flow.always_runs(node.name)
+        replayable = (not stateful and node.op not in FUNCTIONAL_OPS and node.op not in control_flow.CONTROL_FLOW_OPS
+                      and always_runs and node.op not in ("_Arg", "_Retval"))
         ops.append(OpInfo(
             name=node.name, type=node.op,
             inputs=tuple(_normalize_input(i) for i in node.input if not i.startswith("^")),
             control_inputs=tuple(i[1:] for i in node.input if i.startswith("^")),
             outputs=tuple(outputs), role=_role(node.name, node.op, optimizer_scopes),
-            stateful=stateful, replayable=replayable,
+            stateful=stateful, replayable=replayable, always_runs=always_runs,
         ))
     # Inputs naming tensors of nodes that are not in this graph (should not happen in a post-optimization graph)
     # would make the model inconsistent: drop them with the check.
     known = {t.id for t in tensors}
     ops = [o if all(i in known for i in o.inputs) else
-           OpInfo(o.name, o.type, tuple(i for i in o.inputs if i in known), o.control_inputs, o.outputs, o.role,
-                  o.stateful, o.replayable) for o in ops]
+           dataclasses.replace(o, inputs=tuple(i for i in o.inputs if i in known)) for o in ops]
     return propagate_backward_roles(GraphModel.build(ops, tensors))

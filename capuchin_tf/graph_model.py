@@ -12,6 +12,8 @@ import dataclasses
 import enum
 from typing import Iterable, Mapping
 
+from capuchin_tf.control_flow import CONTROL_FLOW_OPS
+
 SCHEMA_VERSION = 1
 
 
@@ -51,6 +53,9 @@ class OpInfo:
     # True when running the op again on the same inputs gives the same bits: not stateful, not an unseeded random
     # op, not an opaque control-flow op. Only replayable ops may be recomputed.
     replayable: bool = True
+    # True when the op runs, exactly once, whenever the step runs: in the step's root frame and not in a cond branch
+    # (control_flow.py). Only such ops may be ordered, gate inserted nodes, or produce or read managed tensors.
+    always_runs: bool = True
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -70,6 +75,7 @@ class OpInfo:
             role=Role(d.get("role", "other")),
             stateful=bool(d.get("stateful", False)),
             replayable=bool(d.get("replayable", True)),
+            always_runs=bool(d.get("always_runs", True)),
         )
 
 
@@ -145,6 +151,15 @@ class GraphModel:
 
     def consumers(self, tid: str) -> list[OpInfo]:
         return [self.ops[c] for c in self.tensors[tid].consumers]
+
+    def manageable(self, tid: str) -> bool:
+        """Whether capuchin_tf may hold, swap or recompute the tensor: transient, produced by an op that always runs
+        and is not lowered control flow (a Switch's outputs may be dead, an Exit's come out of a loop), and read only
+        by ops that always run (control_flow.py)."""
+        t = self.tensors[tid]
+        producer = self.ops[t.op]
+        return (not t.persistent and producer.always_runs and producer.type not in CONTROL_FLOW_OPS
+                and all(self.ops[c].always_runs for c in t.consumers))
 
     def to_json(self) -> dict:
         return {

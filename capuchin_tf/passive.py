@@ -43,8 +43,8 @@ class PooledRead:
 def hold_plan(graph: GraphModel, min_bytes: int = MIN_HOLD_BYTES) -> dict[str, list[PooledRead]]:
     """Tensor id -> its far readers, each with the gate of its Get.
 
-    Held: transient tensors of a swappable dtype and at least `min_bytes`, produced outside loop frames, with a far
-    reader. A reader is far when, in the schedule estimate, at least `min_bytes` of other tensors are produced
+    Held: transient tensors of a swappable dtype and at least `min_bytes` that capuchin_tf may manage (made and read
+    by ops that always run, GraphModel.manageable), with a far reader. A reader is far when, in the schedule estimate, at least `min_bytes` of other tensors are produced
     between the tensor and it: memory is allocated while the tensor waits. Its Get is gated on the op just before
     the reader in the estimate, so that it runs when the reader is about to. (Gating on the reader's other inputs
     is not enough: the executor's ready queue is first-in first-out, and a reader ready early, a gradient's
@@ -57,9 +57,16 @@ def hold_plan(graph: GraphModel, min_bytes: int = MIN_HOLD_BYTES) -> dict[str, l
     order = schedule_order(graph)
     pos = {name: i for i, name in enumerate(order)}
     produced = produced_bytes(graph, order)
+    # The op before each op in the estimate among the ops that always run (only they may gate: control_flow.py).
+    before: dict[str, str | None] = {}
+    last = None
+    for name in order:
+        before[name] = last
+        if graph.ops[name].always_runs:
+            last = name
     plan: dict[str, list[PooledRead]] = {}
     for t in graph.tensors.values():
-        if t.persistent or t.nbytes < min_bytes or t.dtype not in SWAPPABLE_DTYPES or not t.consumers:
+        if t.nbytes < min_bytes or t.dtype not in SWAPPABLE_DTYPES or not t.consumers or not graph.manageable(t.id):
             continue
         if graph.ops[t.op].type in ("Capuchin>Hold", "Capuchin>Get"):
             continue
@@ -70,16 +77,16 @@ def hold_plan(graph: GraphModel, min_bytes: int = MIN_HOLD_BYTES) -> dict[str, l
                          key=pos.__getitem__)
         if any(graph.ops[r].type in DIRECT_READERS for r in readers):
             continue
-        reads = [PooledRead(r, _gates(graph, r, t.id, order[pos[r] - 1])) for r in readers
+        reads = [PooledRead(r, _gates(graph, r, t.id, before[r])) for r in readers
                  if produced[pos[r]] - produced[p + 1] >= min_bytes]
         if reads:
             plan[t.id] = reads
     return plan
 
 
-def _gates(graph: GraphModel, reader: str, tid: str, before: str) -> tuple[str, ...]:
+def _gates(graph: GraphModel, reader: str, tid: str, before: str | None) -> tuple[str, ...]:
     """What the Get of `tid` for `reader` waits for: the op before the reader in the estimate, and the producers of
-    the reader's other inputs (all of which the reader waits for anyway)."""
+    the reader's other inputs (all of which the reader waits for anyway), those that always run."""
     producers = [graph.tensors[i].op for i in graph.ops[reader].inputs
                  if i != tid and graph.ops[graph.tensors[i].op].type != "_Arg"]
-    return tuple(dict.fromkeys([before, *producers]))
+    return tuple(g for g in dict.fromkeys([before, *producers]) if g is not None and graph.ops[g].always_runs)

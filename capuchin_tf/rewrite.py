@@ -27,6 +27,7 @@ from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import importer
 from tensorflow.python.util import nest
 
+from capuchin_tf import control_flow
 from capuchin_tf.graph_model import VIEW_OPS, split_tensor_id, view_input
 from capuchin_tf.schedule import guided_order
 
@@ -135,8 +136,103 @@ def _attr_shape(shape) -> attr_value_pb2.AttrValue:
     return attr_value_pb2.AttrValue(shape=tf.TensorShape(shape).as_proto())
 
 
+class GraphEditor:
+    """A copy of an optimized GraphDef that capuchin_tf's edits go through, so that no edit breaks the graph.
+
+    Every control edge goes through `add_control`, which refuses (returns False, adds nothing) an edge that
+    - touches an op that may not run (a cond branch, a loop body, an Exit: control_flow.py): from such an op it would
+      kill its destination whenever the branch is not taken, into or out of a loop frame TensorFlow refuses it;
+    - or would close a cycle (control_flow.IncrementalOrder).
+    Control edges are orderings that capuchin_tf chose (the pinned order, gates of pool reads, swap and recompute
+    triggers): leaving one out costs memory or time, never correctness. Inserted nodes (`add_node`) run whenever
+    their inputs do. `refused` counts the edges left out, by reason.
+
+    `order`: a topological order to start from (the pinned order, so that its edges cost nothing); else graph order.
+    """
+
+    def __init__(self, graph_def: graph_pb2.GraphDef, order: Sequence[str] | None = None):
+        self.graph = copy.deepcopy(graph_def)
+        self.nodes: dict[str, node_def_pb2.NodeDef] = {n.name: n for n in self.graph.node}
+        flow = control_flow.of_graph_def(self.graph)
+        self._always = {name: flow.always_runs(name) for name in self.nodes}
+        # Reachability is kept between units: a node of the root frame is its own unit, a loop (with its nested
+        # loops, Enters and Exits) is one unit. Within a loop every op can depend on every other through the next
+        # iteration (NextIteration -> Merge), so a loop is one strongly connected piece: an edge from an op after
+        # the loop to one feeding it closes a cycle, though the graph without its back edges shows none.
+        self._unit = {name: name if flow.frame[name] == control_flow.ROOT else f"\0loop:{flow.frame[name][0]}"
+                      for name in self.nodes}
+        edges = set()
+        for n in self.graph.node:
+            for i in n.input:
+                src = _split_ref(i[1:] if i.startswith("^") else i)[0]
+                if src in self.nodes and self._unit[src] != self._unit[n.name]:
+                    edges.add((self._unit[src], self._unit[n.name]))
+        priority = {}
+        for i, name in enumerate(order or ()):
+            priority.setdefault(self._unit.get(name, name), float(i))
+        self.order = control_flow.IncrementalOrder(dict.fromkeys(self._unit.values()), edges, priority)
+        self.refused: dict[str, int] = {"may not run": 0, "cycle": 0}
+
+    def reaches(self, a: str, b: str) -> bool:
+        """Whether node `b` depends on node `a` (through any path, loops included)."""
+        return self.order.reaches(self._unit[a], self._unit[b])
+
+    def always_runs(self, name: str) -> bool:
+        return self._always.get(name, False)
+
+    def add_node(self, name: str, op: str, inputs: Sequence[str], device: str) -> node_def_pb2.NodeDef:
+        """A new node reading `inputs` (data inputs as refs); it runs whenever they are all computed."""
+        if name in self.nodes:
+            raise RewriteError(f"the rewrite would insert {name!r} twice")
+        node = self.graph.node.add(name=name, op=op, input=list(inputs), device=device)
+        return self._register(node)
+
+    def add_copy(self, original: node_def_pb2.NodeDef, name: str, inputs: Sequence[str]) -> node_def_pb2.NodeDef:
+        """A clone of `original` (attributes and device) named `name`, reading `inputs` (data inputs only)."""
+        if name in self.nodes:
+            raise RewriteError(f"the rewrite would insert {name!r} twice")
+        node = self.graph.node.add()
+        node.CopyFrom(original)
+        node.name = name
+        del node.input[:]
+        node.input.extend(inputs)
+        return self._register(node)
+
+    def _register(self, node: node_def_pb2.NodeDef) -> node_def_pb2.NodeDef:
+        sources = [_split_ref(i)[0] for i in node.input if not i.startswith("^")]
+        self.nodes[node.name] = node
+        self._always[node.name] = all(self._always.get(src, False) for src in sources)
+        self._unit[node.name] = node.name
+        self.order.add_node(node.name, after=dict.fromkeys(self._unit[src] for src in sources))
+        return node
+
+    def set_input(self, node: node_def_pb2.NodeDef, i: int, ref: str) -> None:
+        """Makes data input `i` of `node` read `ref` (a data edge capuchin_tf needs: a cycle is a bug)."""
+        src = _split_ref(ref)[0]
+        if self._unit[src] != self._unit[node.name] and not self.order.add_edge(self._unit[src],
+                                                                                self._unit[node.name]):
+            raise RewriteError(f"reading {ref!r} in {node.name!r} would close a cycle")
+        node.input[i] = ref
+
+    def add_control(self, node: str, gate: str) -> bool:
+        """`node` waits for `gate` (a control edge), unless the edge is refused (see the class docstring)."""
+        if gate == node:
+            return False
+        if not (self.always_runs(gate) and self.always_runs(node)):
+            self.refused["may not run"] += 1
+            return False
+        target = self.nodes[node]
+        if f"^{gate}" in target.input:
+            return True
+        if not self.order.add_edge(self._unit[gate], self._unit[node]):
+            self.refused["cycle"] += 1
+            return False
+        target.input.append(f"^{gate}")
+        return True
+
+
 def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence], dtypes: Mapping[str, str],
-                    shapes: Mapping[str, tuple | None]) -> graph_pb2.GraphDef:
+                    shapes: Mapping[str, tuple | None], editor: GraphEditor | None = None) -> graph_pb2.GraphDef:
     r"""Hands each tensor of `plan` (passive.hold_plan) to the pool right after it is produced; each of its far
     readers reads it through its own Get, which runs only after that read's gates.
 
@@ -145,45 +241,42 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence],
           \----> B (far reader)           \--> capuchin/hold/t --h--> capuchin/get/t/0 --t'--> B
                   ^ u                                                 ^ (ctrl: gates, e.g. u's producer)
     Once F has run, the pool holds t's only reference: passive mode can evict it, and the Get brings it back.
-    `dtypes`/`shapes`: the tensor's dtype name and static shape (None or -1 entries where unknown).
+    `dtypes`/`shapes`: the tensor's dtype name and static shape (None or -1 entries where unknown). Gates that may
+    not run or would close a cycle are left out (GraphEditor.add_control).
     Inserted nodes: `capuchin/hold/<tensor>`, `capuchin/get/<tensor>/<k>`, on the producer's device.
     """
-    out = copy.deepcopy(graph_def)
-    nodes = {n.name: n for n in out.node}
+    ed = editor or GraphEditor(graph_def)
     for tid, reads in plan.items():
         op, slot = split_tensor_id(tid)
-        ref = op if slot == 0 else f"{op}:{slot}"
         base = f"capuchin/hold/{safe_name(tid)}"
-        hold = out.node.add(name=base, op="Capuchin>Hold", input=[ref], device=nodes[op].device)
+        device = ed.nodes[op].device
+        hold = ed.add_node(base, "Capuchin>Hold", [_ref(tid)], device)
         hold.attr["T"].CopyFrom(_attr_type(dtypes[tid]))
         hold.attr["tensor_name"].CopyFrom(attr_value_pb2.AttrValue(s=tid.encode()))
-        nodes[hold.name] = hold
         shape = shapes.get(tid)
         for k, read in enumerate(reads):
-            consumer = nodes[read.reader]
-            get = out.node.add(name=f"capuchin/get/{safe_name(tid)}/{k}", op="Capuchin>Get", input=[base],
-                               device=nodes[op].device)
+            get = ed.add_node(f"capuchin/get/{safe_name(tid)}/{k}", "Capuchin>Get", [base], device)
             get.attr["dtype"].CopyFrom(_attr_type(dtypes[tid]))
             get.attr["shape"].CopyFrom(_attr_shape(None if shape is None else [None if d < 0 else d for d in shape]))
-            get.input.extend(f"^{g}" for g in read.gates)
-            nodes[get.name] = get
-            _rewire(out, nodes, consumer, tid, get.name, get.name)
-    return out
+            _rewire(ed, ed.nodes[read.reader], tid, get.name, get.name)
+            for g in read.gates:
+                ed.add_control(get.name, g)
+    return ed.graph
 
 
 def add_gates(graph_def: graph_pb2.GraphDef, gates: Mapping[str, Sequence[str]]) -> graph_pb2.GraphDef:
-    """`graph_def` with each op of `gates` waiting for its gates (control edges; schedule.deferral_gates):
+    """`graph_def` with each op of `gates` waiting for its gates (control edges; schedule.deferral_gates), where
+    GraphEditor.add_control allows:
 
         G ...          G ...
         X --> R        X --> R
                        ^ (ctrl: G)
     """
-    out = copy.deepcopy(graph_def)
-    for node in out.node:
-        for gate in gates.get(node.name, ()):
-            if f"^{gate}" not in node.input:
-                node.input.append(f"^{gate}")
-    return out
+    ed = GraphEditor(graph_def)
+    for name, gs in gates.items():
+        for gate in gs:
+            ed.add_control(name, gate)
+    return ed.graph
 
 
 def _ref(tid: str) -> str:
@@ -236,13 +329,13 @@ def _reads(nodes: Mapping[str, node_def_pb2.NodeDef], node: node_def_pb2.NodeDef
     return bool(_view_reads(nodes, node, tid))
 
 
-def _rewire(out: graph_pb2.GraphDef, nodes: dict[str, node_def_pb2.NodeDef], node: node_def_pb2.NodeDef, tid: str,
-            new_ref: str, prefix: str) -> None:
+def _rewire(ed: GraphEditor, node: node_def_pb2.NodeDef, tid: str, new_ref: str, prefix: str) -> None:
     """Makes `node` read `new_ref` wherever it read `tid`. A read through views reads clones of those views made on
     `new_ref`, named `<prefix>/view/<view node>`:
 
         t --> Reshape_5 --> sub_1        t' --> <prefix>/view/Reshape_5 --> sub_1
     """
+    nodes = ed.nodes
     for i, views in _view_reads(nodes, node, tid):
         ref = new_ref
         for v in views:
@@ -255,16 +348,11 @@ def _rewire(out: graph_pb2.GraphDef, nodes: dict[str, node_def_pb2.NodeDef], nod
                 clone_name = f"{clone_name}_{slot}"
                 existing = nodes.get(clone_name)
             if existing is None:
-                clone = out.node.add()
-                clone.CopyFrom(original)
-                clone.name = clone_name
                 inputs = [x for x in original.input if not x.startswith("^")]
                 inputs[k] = ref
-                del clone.input[:]
-                clone.input.extend(inputs)
-                nodes[clone_name] = clone
+                ed.add_copy(original, clone_name, inputs)
             ref = clone_name if slot == 0 else f"{clone_name}:{slot}"
-        node.input[i] = ref
+        ed.set_input(node, i, ref)
 
 
 def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, str],
@@ -295,37 +383,27 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
     original t is freed after E. Targets the replay keeps (collective recomputation) are served from the same
     clones.
     """
-    out = copy.deepcopy(graph_def)
-    nodes = {n.name: n for n in out.node}
+    names = {n.name for n in graph_def.node}
     # The measured order, made an order of the graph (ops that overlapped in time are ordered by their starts), with
     # the forward pass's state writes moved after its large allocations (schedule.guided_order).
-    executed = [name for name in guided_order(trace.graph, {o.name: o.start for o in trace.ops}) if name in nodes]
-    before = {name: executed[i - 1] for i, name in enumerate(executed) if i > 0}
-    skipped: list[str] = []
+    executed = [name for name in guided_order(trace.graph, {o.name: o.start for o in trace.ops}) if name in names]
+    ed = GraphEditor(graph_def, order=executed)
+    nodes = ed.nodes
     # The plan was made for the measured order: make it the executed one. A control edge only means "not before",
-    # so each op waits for the one before it in that order.
-    for name in executed[1:]:
-        node = nodes[name]
-        if node.op not in ("_Arg", "_Retval") and f"^{before[name]}" not in node.input:
-            node.input.append(f"^{before[name]}")
+    # so each op waits for the one before it in that order. Only ops that always run are ordered (an op of a cond
+    # branch, a loop body or lowered control flow runs when its inputs say).
+    pinned = [n for n in executed if ed.always_runs(n) and nodes[n].op not in ("_Arg", "_Retval")]
+    before = {name: pinned[i - 1] for i, name in enumerate(pinned) if i > 0}
+    for name in pinned[1:]:
+        ed.add_control(name, before[name])
+    skipped: list[str] = []
 
     def later_readers(tid: str, evicted_index: int) -> list[str]:
         names = [a.op for a in trace.tensors[tid].accesses if a.index > evicted_index]
         return [n for n in dict.fromkeys(names)
                 if n in nodes and nodes[n].op not in VIEW_OPS and _reads(nodes, nodes[n], tid)]
 
-    def gate_before(op_name: str) -> list[str]:
-        g = before.get(op_name)
-        return [f"^{g}"] if g is not None and g in nodes else []
-
-    def add(name: str, op_type: str, inputs: list[str], device: str) -> node_def_pb2.NodeDef:
-        if name in nodes:
-            raise RewriteError(f"the rewrite would insert {name!r} twice")
-        node = out.node.add(name=name, op=op_type, input=inputs, device=device)
-        nodes[name] = node
-        return node
-
-    pos = {name: i for i, name in enumerate(executed)}
+    pos = {name: i for i, name in enumerate(pinned)}
 
     def first(names: list[str]) -> str:
         return min(names, key=lambda n: pos.get(n, len(pos)))
@@ -341,29 +419,30 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
         if pos.get(d.evicted_access.op, -1) >= pos.get(back, len(pos)):
             skipped.append(tid)  # the enforced order puts the evicted-access after a later reader: not realizable
             continue
-        out_ctrl = [f"^{d.evicted_access.op}"] if d.evicted_access.op != producer.name else []
-        swap_out = add(f"capuchin/swap_out/{key}", "Capuchin>SwapOut", [_ref(tid), *out_ctrl], producer.device)
+        swap_out = ed.add_node(f"capuchin/swap_out/{key}", "Capuchin>SwapOut", [_ref(tid)], producer.device)
         swap_out.attr["T"].CopyFrom(_attr_type(dtypes[tid]))
         swap_out.attr["tensor_name"].CopyFrom(attr_value_pb2.AttrValue(s=tid.encode()))
+        if d.evicted_access.op != producer.name:
+            ed.add_control(swap_out.name, d.evicted_access.op)
         handle = swap_out.name
         trigger = d.in_trigger.op if d.in_trigger is not None else None
         if trigger is not None and pos.get(trigger, len(pos)) >= pos[back]:
             trigger = before.get(back)  # the trigger falls after the back-access in the enforced order
         if trigger is not None:
-            prefetch = add(f"capuchin/prefetch/{key}", "Capuchin>Prefetch", [handle, f"^{trigger}"],
-                           producer.device)
-            # Gated like an on-demand swap-in too: it runs when the back-access is about to, so a swap-in that waits
-            # is a prefetch that really came late (without the gate it ran right after the prefetch and always
-            # waited: every prefetch counted as late).
-            swap_in_inputs = [prefetch.name, *gate_before(back)]
-        else:
-            swap_in_inputs = [handle, *gate_before(back)]
-        swap_in = add(f"capuchin/swap_in/{key}", "Capuchin>SwapIn", swap_in_inputs, producer.device)
+            prefetch = ed.add_node(f"capuchin/prefetch/{key}", "Capuchin>Prefetch", [handle], producer.device)
+            ed.add_control(prefetch.name, trigger)
+            handle = prefetch.name
+        swap_in = ed.add_node(f"capuchin/swap_in/{key}", "Capuchin>SwapIn", [handle], producer.device)
         swap_in.attr["dtype"].CopyFrom(_attr_type(dtypes[tid]))
         shape = shapes.get(tid)
         swap_in.attr["shape"].CopyFrom(_attr_shape(None if shape is None else [None if x < 0 else x for x in shape]))
         for r in readers:
-            _rewire(out, nodes, nodes[r], tid, swap_in.name, swap_in.name)
+            _rewire(ed, nodes[r], tid, swap_in.name, swap_in.name)
+        # Gated like an on-demand swap-in even after a prefetch: it runs when the back-access is about to, so a
+        # swap-in that waits is a prefetch that really came late (without the gate it ran right after the prefetch
+        # and always waited: every prefetch counted as late).
+        if before.get(back) is not None:
+            ed.add_control(swap_in.name, before[back])
 
     by_target = {d.tensor: d for d in plan.recomputes}
     for d in plan.recomputes:
@@ -377,23 +456,17 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
             continue
         back = first(readers)
         early = d.trigger_mode == "early" and pos.get(d.trigger.op, len(pos)) < pos[back]
-        gate = [f"^{d.trigger.op}"] if early else gate_before(back)
+        gate = d.trigger.op if early else before.get(back)
         for name in d.replay_ops:
             original = nodes[name]
-            clone = copy.deepcopy(original)
-            clone.name = f"capuchin/recompute/{key}/{name}"
-            del clone.input[:]
             # ordering edges of the original are dropped: the clone is ordered by its gate and its inputs
-            clone.input.extend(i for i in original.input if not i.startswith("^"))
+            clone = ed.add_copy(original, f"capuchin/recompute/{key}/{name}",
+                                [i for i in original.input if not i.startswith("^")])
             rebuilt = {b for b in (_split_ref(_view_chain(nodes, i)[0]) for i in clone.input) if b[0] in replayed}
-            if not rebuilt:
-                clone.input.extend(gate)
-            if clone.name in nodes:
-                raise RewriteError(f"the rewrite would insert {clone.name!r} twice")
-            out.node.append(clone)
-            clone = nodes[clone.name] = out.node[-1]
+            if not rebuilt and gate is not None:
+                ed.add_control(clone.name, gate)
             for src, slot in rebuilt:  # read the replayed inputs from their clones (through clones of views, if any)
-                _rewire(out, nodes, clone, f"{src}:{slot}", clone_of[src] if slot == 0 else f"{clone_of[src]}:{slot}",
+                _rewire(ed, clone, f"{src}:{slot}", clone_of[src] if slot == 0 else f"{clone_of[src]}:{slot}",
                         f"capuchin/recompute/{key}")
             clone_of[name] = clone.name
         for target in (d.tensor, *d.keeps):
@@ -403,8 +476,8 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
                 raise RewriteError(f"the replay for {d.tensor} does not rebuild {target}")
             new_ref = clone_of[op] if slot == 0 else f"{clone_of[op]}:{slot}"
             for r in later_readers(target, td.evicted_access.index):
-                _rewire(out, nodes, nodes[r], target, new_ref, f"capuchin/recompute/{key}/{safe_name(target)}")
+                _rewire(ed, nodes[r], target, new_ref, f"capuchin/recompute/{key}/{safe_name(target)}")
     if skipped:
         warnings.warn(f"capuchin_tf: {len(skipped)} planned swap(s) cannot follow the enforced order and were left "
                       f"out: {skipped[:3]}", RuntimeWarning, stacklevel=2)
-    return out
+    return ed.graph

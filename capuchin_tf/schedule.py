@@ -88,7 +88,7 @@ def guided_order(graph: GraphModel, starts: Mapping[str, float]) -> list[str]:
     """
     order = schedule_order(graph, priority=starts)
     deferred = [n for n in order if is_variable_writer(graph.ops[n].type) and graph.ops[n].role != Role.OPTIMIZER
-                and not _has_data_consumers(graph, n)]
+                and graph.ops[n].always_runs and not _has_data_consumers(graph, n)]
     if not deferred:
         return order
     first_update = next((i for i, n in enumerate(order) if graph.ops[n].role == Role.OPTIMIZER
@@ -147,6 +147,7 @@ def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[
     `min_bytes` of other tensors are produced between it and R; and its outputs are at least as large as the inputs
     it would keep alive longer (read last by X, or last by ops before its new place). An early op that is not
     deferred but reads a forward tensor of its own output's size waits for that tensor's forward readers instead.
+    Only ops that always run (control_flow.py) are deferred or gate anything.
     Returns {X: the ops X waits for}.
     """
     order = schedule_order(graph)
@@ -177,7 +178,7 @@ def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[
     # Backward ops ready before the forward pass ends.
     forward_end = max((pos[n] for n, op in graph.ops.items() if op.role == Role.FORWARD), default=-1)
     early = {n for n in order[:forward_end] if graph.ops[n].role == Role.BACKWARD and not graph.ops[n].stateful
-             and not is_variable_writer(graph.ops[n].type)}
+             and not is_variable_writer(graph.ops[n].type) and graph.ops[n].always_runs}
 
     def out_bytes(name: str) -> int:
         return sum(max(graph.tensors[t].nbytes, 0) for t in graph.ops[name].outputs)
@@ -203,7 +204,7 @@ def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[
             continue
         gate = next((order[i] for i in range(p_r - 1, p_x, -1)
                      if order[i] not in gates and graph.ops[order[i]].role != Role.OPTIMIZER
-                     and not depends_on(order[i], name)), None)
+                     and graph.ops[order[i]].always_runs and not depends_on(order[i], name)), None)
         if gate is None:
             continue
         extended = 0
@@ -229,7 +230,8 @@ def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[
             continue
         after = [c for t in op.inputs if graph.tensors[t].nbytes == size and not graph.tensors[t].persistent
                  for c in graph.tensors[t].consumers
-                 if c != name and graph.ops[c].role == Role.FORWARD and not depends_on(c, name)]
+                 if c != name and graph.ops[c].role == Role.FORWARD and graph.ops[c].always_runs
+                 and not depends_on(c, name)]
         if after:
             out[name] = tuple(dict.fromkeys(after))
     return out

@@ -109,8 +109,9 @@ def check_decisions(idx: TraceIndex, decisions: Iterable[Decision]) -> None:
         view = idx.tensors.get(t)
         if view is None:
             raise InfeasiblePlanError(f"the plan evicts tensor {t!r}, which the trace does not record")
-        if t in idx.persistent:
-            raise InfeasiblePlanError(f"the plan evicts tensor {t!r}, which is persistent")
+        if t in idx.unmanaged:
+            raise InfeasiblePlanError(f"the plan evicts tensor {t!r}, which is persistent, made or read in a cond "
+                                      "branch or a loop body, or made by lowered control flow")
         ev, back = d.evicted_access, d.back_access
         n = len(view.acc_pos)
         for what, ref in (("evicted-access", ev), ("back-access", back)):
@@ -176,6 +177,9 @@ def _trigger_pos(idx: TraceIndex, t: str, ref, what: str) -> int:
         raise InfeasiblePlanError(
             f"tensor {t!r}: {what} ({ref.tensor!r}, access {ref.index}, op {ref.op!r}) is not an access of the trace"
         )
+    if not idx.always_runs[p]:
+        raise InfeasiblePlanError(f"tensor {t!r}: {what} names op {ref.op!r}, which may not run (a cond branch or a "
+                                  "loop body)")
     return p
 
 

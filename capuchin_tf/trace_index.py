@@ -140,12 +140,19 @@ class TraceIndex:
         for tid, v in self.tensors.items():
             self._producer[tid] = v.prod_pos
 
-        # Persistent tensors per the graph model (never candidates).
+        # Persistent tensors per the graph model.
         self.persistent = frozenset(t.id for t in graph.tensors.values() if t.persistent)
+        # Never candidates: persistent tensors, and tensors made or read in cond branches or loop bodies, or by lowered
+        # control flow (GraphModel.manageable).
+        self.unmanaged = frozenset(tid for tid in graph.tensors if not graph.manageable(tid))
+        # Ops that always run (control_flow.py): only they may trigger or order anything.
+        self.always_runs: list[bool] = [graph.ops[o.name].always_runs if o.name in graph.ops else False for o in ops]
 
-        # Ops that can serve as triggers (they have at least one recorded access), sorted by their end time.
+        # Ops that can serve as triggers (they always run and have at least one recorded access), sorted by their
+        # end time.
         self._trig = sorted(
-            (self.end[i], i) for i in range(self.n_ops) if self.op_outputs[i] or self.op_reads[i]
+            (self.end[i], i) for i in range(self.n_ops)
+            if (self.op_outputs[i] or self.op_reads[i]) and self.always_runs[i]
         )
         self.trigger_ends: list[float] = [e for e, _ in self._trig]
         self.trigger_pos: list[int] = [i for _, i in self._trig]

@@ -141,6 +141,22 @@ class _Buffer:
     owned_since: int = 0
 
 
+def _once_per_op(kernels: list[KernelEvent]) -> list[KernelEvent]:
+    """One event per op: an op of a loop body runs once per iteration (and such ops are never managed,
+    control_flow.py). It is recorded at its first start, for the time of all its runs; the allocations of its later
+    runs stay in the trace as the op's own temporaries, so that the replayed memory is the allocator's."""
+    total: dict[str, int] = {}
+    for k in kernels:
+        total[k.op] = total.get(k.op, 0) + (k.end - k.start)
+    out, seen = [], set()
+    for k in kernels:
+        if k.op in seen:
+            continue
+        seen.add(k.op)
+        out.append(k if total[k.op] == k.end - k.start else dataclasses.replace(k, end=k.start + total[k.op]))
+    return out
+
+
 def assemble_trace(
     graph: GraphModel,
     kernels: Iterable[KernelEvent],
@@ -164,6 +180,7 @@ def assemble_trace(
     if not kernels:
         raise ValueError("no kernel event names an op of the graph: nothing was measured")
     t0, t_end = kernels[0].start, max(k.end for k in kernels)
+    kernels = _once_per_op(kernels)
     timeline = _Timeline(t0, stalls)
     memory = sorted((m for m in memory if t0 <= m.time <= t_end), key=lambda m: (m.time, not m.allocation))
 

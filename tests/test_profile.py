@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import capuchin_tf  # noqa: F401  (loads the op library)
-from capuchin_tf import capture, models, profile
+from capuchin_tf import capture, control_flow, models, profile
 from capuchin_tf.graph_model import Role
 from capuchin_tf.trace import AccessTrace
 
@@ -110,10 +110,10 @@ def test_control_flow_is_opaque():
 
     _, trace = profile.measure_step(step, (tf.ones([64, 64]),))
     # the loop is an opaque op (While) or, lowered by Grappler, a frame whose ops and tensors are not managed
-    loops = [o for o in trace.graph.ops.values() if o.type in capture.CONTROL_FLOW_OPS | capture.FRAME_OPS]
+    loops = [o for o in trace.graph.ops.values() if o.type in capture.FUNCTIONAL_OPS | control_flow.CONTROL_FLOW_OPS]
     assert loops and all(not o.replayable for o in loops)
     inner = [t for o in loops for t in o.outputs]
-    assert all(trace.graph.tensors[t].persistent for t in inner)
+    assert all(not trace.graph.manageable(t) for t in inner)
 
 
 def test_pure_layers_import_and_test_without_tensorflow():

@@ -84,10 +84,11 @@ def test_a_read_through_views_reads_clones_of_the_views_on_the_new_tensor():
                              ("sub", "Sub", ["e", "x", "^x"]), ("neg", "Neg", ["t:0"]), ("t2", "Const", []),
                              ("new", "Identity", ["t2"])]:
         g.node.add(name=name, op=op, input=inputs)
-    nodes = {n.name: n for n in g.node}
+    ed = rewrite.GraphEditor(g)
+    nodes = ed.nodes
     assert rewrite._reads(nodes, nodes["sub"], "t:0") and not rewrite._reads(nodes, nodes["neg"], "x:0")
-    rewrite._rewire(g, nodes, nodes["sub"], "t:0", "new", "capuchin/swap_in/t_0")
-    rewrite._rewire(g, nodes, nodes["neg"], "t:0", "new", "capuchin/swap_in/t_0")
+    rewrite._rewire(ed, nodes["sub"], "t:0", "new", "capuchin/swap_in/t_0")
+    rewrite._rewire(ed, nodes["neg"], "t:0", "new", "capuchin/swap_in/t_0")
     assert list(nodes["sub"].input) == ["capuchin/swap_in/t_0/view/e", "x", "^x"]
     assert list(nodes["capuchin/swap_in/t_0/view/e"].input) == ["capuchin/swap_in/t_0/view/r", "axis"]
     assert list(nodes["capuchin/swap_in/t_0/view/r"].input) == ["new", "shape"]

@@ -51,7 +51,7 @@ def plan_tf(trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, **
 def _backward_pair(idx: TraceIndex, tid: str, dm: DeviceModel) -> CandidatePair | None:
     """{last access before the first backward use, first backward use} of a forward tensor the backward pass reads."""
     v = idx.tensors[tid]
-    if v.nbytes <= 0 or tid in idx.persistent or idx.op_role[v.prod_pos] != Role.FORWARD:
+    if v.nbytes <= 0 or tid in idx.unmanaged or idx.op_role[v.prod_pos] != Role.FORWARD:
         return None
     for k in range(1, len(v.acc_pos)):
         if idx.op_role[v.acc_pos[k]] == Role.BACKWARD:

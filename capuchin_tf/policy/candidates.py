@@ -138,7 +138,7 @@ def candidate_pairs(ctx: Context, min_bytes: int | None = None) -> dict[str, lis
     idx, dm = ctx.idx, ctx.dm
     step_end = idx.step_time
     for tid, v in idx.tensors.items():
-        if len(v.acc_pos) < 2 or v.nbytes < min_bytes or v.nbytes <= 0 or tid in idx.persistent:
+        if len(v.acc_pos) < 2 or v.nbytes < min_bytes or v.nbytes <= 0 or tid in idx.unmanaged:
             continue
         free = step_end if v.free is None else v.free
         if not (v.alloc < w[1] and free > w[0]):  # alive during the peak window
