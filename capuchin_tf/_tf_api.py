@@ -28,9 +28,10 @@ from capuchin_tf.ops import (  # noqa: E402
 
 from capuchin_tf.decorator import function  # noqa: E402
 from capuchin_tf.keras_callback import CapuchinCallback  # noqa: E402
-from capuchin_tf.runtime import CapuchinError, ManagedStep  # noqa: E402
+from capuchin_tf.runtime import BudgetError, CapuchinError, ManagedStep  # noqa: E402
 
 __all__ = [
+    "BudgetError",
     "CapuchinCallback",
     "CapuchinError",
     "ManagedStep",

@@ -9,10 +9,11 @@ from the captured graph's static shapes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, op_def_pb2
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import cancellation, context
 from tensorflow.python.framework import op_def_registry
@@ -230,3 +231,48 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
     ops = [o if all(i in known for i in o.inputs) else
            dataclasses.replace(o, inputs=tuple(i for i in o.inputs if i in known)) for o in ops]
     return propagate_backward_roles(GraphModel.build(ops, tensors))
+
+
+def graph_fingerprint(graph_def: graph_pb2.GraphDef) -> str:
+    """A digest of a step's graph that is the same in every process that traces the same step: every node's name, op,
+    inputs, device and attributes (so a model with other shapes, dtypes or hyperparameters differs), with the functions
+    it calls (conds, loops) digested by content, since their names carry a per-process counter."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    memo: dict[str, str] = {}
+
+    def attr_digest(value: attr_value_pb2.AttrValue) -> bytes:
+        value = attr_value_pb2.AttrValue.FromString(value.SerializeToString())
+        funcs = [value.func] if value.HasField("func") else list(value.list.func)
+        for f in funcs:
+            f.name = function_digest(f.name)
+            for a in f.attr.values():
+                a.CopyFrom(attr_value_pb2.AttrValue(s=attr_digest(a)))
+        return value.SerializeToString(deterministic=True)
+
+    def nodes_digest(h, nodes) -> None:
+        for node in sorted(nodes, key=lambda n: n.name):
+            h.update(f"{node.name}|{node.op}|{','.join(node.input)}|{node.device}".encode())
+            for key in sorted(node.attr):
+                h.update(key.encode() + b"=" + attr_digest(node.attr[key]) + b";")
+
+    def function_digest(name: str) -> str:
+        if name in memo:
+            return memo[name]
+        memo[name] = "<recursive>"
+        f = library.get(name)
+        h = hashlib.sha256()
+        if f is None:
+            h.update(name.encode())  # not in the library: a registered op or an outside function, by name
+        else:
+            sig = op_def_pb2.OpDef.FromString(f.signature.SerializeToString())
+            sig.name = ""
+            h.update(sig.SerializeToString(deterministic=True))
+            nodes_digest(h, f.node_def)
+            for k in sorted(f.ret):
+                h.update(f"{k}->{f.ret[k]};".encode())
+        memo[name] = h.hexdigest()
+        return memo[name]
+
+    h = hashlib.sha256()
+    nodes_digest(h, graph_def.node)
+    return h.hexdigest()

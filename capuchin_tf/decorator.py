@@ -19,21 +19,15 @@ from typing import Any, Mapping
 
 import tensorflow as tf
 
-from capuchin_tf import ops
 from capuchin_tf.budget import format_bytes, parse_budget
 from capuchin_tf.policy import POLICIES
-from capuchin_tf.runtime import ManagedStep
+from capuchin_tf.runtime import MAX_SIGNATURES, ManagedStep, device_limit_bytes
 
 LINKS = ("native", "p100")
 
 
-def device_limit_bytes() -> int | None:
-    """The device allocator's limit (the simulated device's size), or None when it has none."""
-    limit = int(ops.allocator_stats()["bytes_limit"])
-    return limit if limit > 0 else None
-
-
-def _check(memory_budget, policy, link, policy_options, plan_cache, feedback, max_replans, settle_steps) -> int | None:
+def _check(memory_budget, policy, link, policy_options, plan_cache, feedback, max_replans, settle_steps,
+           strict=False, max_signatures=MAX_SIGNATURES) -> int | None:
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; the registered policies are: {', '.join(POLICIES)}")
     if isinstance(link, bool) or not (link in LINKS or (isinstance(link, (int, float)) and link > 0)):
@@ -44,9 +38,13 @@ def _check(memory_budget, policy, link, policy_options, plan_cache, feedback, ma
         raise TypeError(f"plan_cache must be a directory path (str or os.PathLike), got {plan_cache!r}")
     if not isinstance(feedback, bool):
         raise TypeError(f"feedback must be True or False, got {feedback!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {strict!r}")
     for name, value in (("max_replans", max_replans), ("settle_steps", settle_steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    if isinstance(max_signatures, bool) or not isinstance(max_signatures, int) or max_signatures < 1:
+        raise ValueError(f"max_signatures must be a positive integer, got {max_signatures!r}")
     limit = device_limit_bytes()
     if memory_budget is None:
         return limit
@@ -60,8 +58,8 @@ def _check(memory_budget, policy, link, policy_options, plan_cache, feedback, ma
 def function(fn=None, *, memory_budget: int | float | str | None = None, policy: str = "capuchin",
              link: str | float = "native", policy_options: Mapping[str, Any] | None = None,
              plan_cache: str | os.PathLike | None = None, feedback: bool = True, max_replans: int = 20,
-             settle_steps: int = 10, input_signature=None, autograph: bool = True, reduce_retracing: bool = False,
-             verbose: bool = False):
+             settle_steps: int = 10, strict: bool = False, max_signatures: int = MAX_SIGNATURES,
+             input_signature=None, autograph: bool = True, reduce_retracing: bool = False, verbose: bool = False):
     """Wraps a training step (a Python function or a `tf.function`) so that it trains under `memory_budget`.
 
     memory_budget: bytes, or a string such as "2GiB" or "512MiB" (capuchin_tf.budget); default: the device's limit.
@@ -72,10 +70,17 @@ def function(fn=None, *, memory_budget: int | float | str | None = None, policy:
     plan_cache: a directory; plans are stored there and reused by a restarted job (keyed on the graph, input
         signature, budget, policy, link and TensorFlow version).
     feedback: adjust the plan from late prefetches and the measured peak; max_replans bounds how often.
+    strict: raise `CapuchinError` where capuchin_tf would otherwise refuse a step (one warning, then plain
+        TensorFlow): a step that writes state it cannot copy back, whose plan cannot be applied, or whose measured or
+        guided graph fails.
+    max_signatures: input signatures (concrete function and input shapes) kept, each with its own measurement and
+        plan; past it the least recently used is dropped, with one warning.
+    A budget below what the step can ever need raises `BudgetError` at the first call, before anything runs.
     input_signature, autograph, reduce_retracing: passed to `tf.function` when `fn` is a Python function.
     The step must not be XLA-compiled (jit_compile=True is refused).
     """
-    budget = _check(memory_budget, policy, link, policy_options, plan_cache, feedback, max_replans, settle_steps)
+    budget = _check(memory_budget, policy, link, policy_options, plan_cache, feedback, max_replans, settle_steps,
+                    strict, max_signatures)
 
     def wrap(f):
         if hasattr(f, "get_concrete_function"):
@@ -90,7 +95,8 @@ def function(fn=None, *, memory_budget: int | float | str | None = None, policy:
             raise TypeError(f"capuchin_tf.function wraps a function, got {f!r}")
         step = ManagedStep(tf_fn, budget_bytes=budget, policy=policy, link=link, policy_options=policy_options,
                            cache_dir=None if plan_cache is None else os.fspath(plan_cache), feedback=feedback,
-                           max_replans=max_replans, settle_steps=settle_steps, verbose=verbose)
+                           max_replans=max_replans, settle_steps=settle_steps, strict=strict,
+                           max_signatures=max_signatures, verbose=verbose)
         functools.update_wrapper(step, getattr(f, "python_function", f), updated=())
         return step
 

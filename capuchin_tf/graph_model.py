@@ -263,3 +263,47 @@ def fold_views(model: GraphModel) -> GraphModel:
     tensors = [dataclasses.replace(t, consumers=tuple(dict.fromkeys(consumers.get(t.id, ()))))
                for t in model.tensors.values()]
     return GraphModel.build(ops, tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class Floor:
+    """The most transient memory one op needs at once: its inputs and outputs (`bytes`), at op `op`."""
+
+    bytes: int
+    op: str
+    op_type: str
+
+
+# Ops that allocate nothing of their own for their outputs (views of inputs, persistent state, control flow).
+_NO_WORKING_SET = frozenset({"_Arg", "_Retval", "NoOp", "Const", "HostConst", "ReadVariableOp", "VarHandleOp",
+                             "Placeholder"}) | VIEW_OPS
+
+
+def working_set_floor(graph: GraphModel) -> Floor:
+    """A lower bound of the transient memory the step needs: over every op, its transient inputs and the outputs it
+    cannot have computed in place, all on the device at once while it runs. Inputs are counted by the buffer they
+    view (`view_base`), once each; an output as large as an input may take that input's buffer (TensorFlow forwards a
+    dead input's buffer), so it is not counted; persistent tensors and sizes unknown statically count nothing. Its
+    temporaries (a convolution's workspace) are not known before it runs: the true floor can only be higher."""
+    best = Floor(0, "", "")
+    for op in graph.ops.values():
+        if op.type in _NO_WORKING_SET or op.type in CONTROL_FLOW_OPS:
+            continue
+        inputs = []
+        for t in dict.fromkeys(view_base(graph, i) for i in op.inputs):
+            info = graph.tensors.get(t)
+            if info is not None and not info.persistent and info.nbytes > 0:
+                inputs.append(info.nbytes)
+        total = sum(inputs)
+        free = sorted(inputs)
+        for t in op.outputs:
+            info = graph.tensors[t]
+            if info.persistent or info.nbytes <= 0:
+                continue
+            if info.nbytes in free:
+                free.remove(info.nbytes)  # may reuse that input's buffer
+            else:
+                total += info.nbytes
+        if total > best.bytes:
+            best = Floor(total, op.name, op.type)
+    return best

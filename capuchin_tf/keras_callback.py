@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 import keras
 import tensorflow as tf
 
-from capuchin_tf import decorator
+from capuchin_tf import decorator, runtime
 from capuchin_tf.runtime import ManagedStep
 
 
@@ -39,19 +39,21 @@ class CapuchinCallback(keras.callbacks.Callback):
     The arguments are those of `capuchin_tf.function` (decorator.py), checked here, when the callback is made:
     memory_budget: bytes, or a string such as "2GiB"; default: the device's limit.
     policy: a registered policy (`capuchin`, `swap-only`, `recompute-only`, `swap-all`, `checkpoint`, `tf`).
-    link, policy_options, plan_cache, feedback, max_replans, settle_steps, verbose: as in `capuchin_tf.function`.
+    link, policy_options, plan_cache, feedback, max_replans, settle_steps, strict, max_signatures, verbose: as in
+    `capuchin_tf.function`.
     """
 
     def __init__(self, memory_budget: int | float | str | None = None, policy: str = "capuchin",
                  link: str | float = "native", policy_options: Mapping[str, Any] | None = None,
                  plan_cache: str | os.PathLike | None = None, feedback: bool = True, max_replans: int = 20,
-                 settle_steps: int = 10, verbose: bool = False):
+                 settle_steps: int = 10, strict: bool = False, max_signatures: int = runtime.MAX_SIGNATURES,
+                 verbose: bool = False):
         super().__init__()
         decorator._check(memory_budget, policy, link, policy_options, plan_cache, feedback, max_replans,
-                         settle_steps)
+                         settle_steps, strict, max_signatures)
         self._options = dict(memory_budget=memory_budget, policy=policy, link=link, policy_options=policy_options,
                              plan_cache=plan_cache, feedback=feedback, max_replans=max_replans,
-                             settle_steps=settle_steps, verbose=verbose)
+                             settle_steps=settle_steps, strict=strict, max_signatures=max_signatures, verbose=verbose)
         self._steps: dict[str, ManagedStep] = {}  # batch structure (repr of its template) -> its step
         self._steps_model: keras.Model | None = None  # the model the steps train
         self._original: Callable | None = None  # the model's own train_function, restored at the end of training

@@ -26,10 +26,11 @@ from typing import Mapping
 from capuchin_tf.plan import Plan, options_tuple
 
 ENTRY_KIND = "capuchin_tf.PlanCacheEntry"
-ENTRY_SCHEMA_VERSION = 1
+ENTRY_SCHEMA_VERSION = 2  # 2: the key holds the capuchin_tf version and the variables' dtypes and shapes
 
 _ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.json")
-_STR_FIELDS = ("graph_fingerprint", "input_signature", "policy", "link", "tf_version")
+_STR_FIELDS = ("graph_fingerprint", "input_signature", "policy", "link", "tf_version", "capuchin_tf_version",
+               "variables")
 
 
 class PlanCacheWarning(UserWarning):
@@ -47,7 +48,11 @@ def _canonical(value: object) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class CacheKey:
-    """Everything a plan depends on. `options` (a mapping or (name, value) pairs) is stored as sorted pairs."""
+    """Everything a plan depends on. `options` (a mapping or (name, value) pairs) is stored as sorted pairs.
+
+    `graph_fingerprint`: the step's graph with every node's attributes (capture.graph_fingerprint), so that another
+    model, or the same model with other hyperparameters, misses; `variables`: the dtypes and shapes of the captured
+    variables, in capture order."""
 
     graph_fingerprint: str
     input_signature: str
@@ -56,6 +61,8 @@ class CacheKey:
     link: str
     tf_version: str
     options: tuple[tuple[str, object], ...] = ()
+    capuchin_tf_version: str = ""
+    variables: str = ""
 
     def __post_init__(self) -> None:
         for name in _STR_FIELDS:

@@ -86,23 +86,37 @@ def _anchor() -> int:
         return time.monotonic_ns()
 
 
-def passive_step(concrete, args):
-    """The step with passive mode's tensor pool: its optimized graph (obtained without running it) with every tensor
-    that waits while memory is allocated handed to the pool (see `pooled`). Run it with
+def input_shapes(args) -> list:
+    """The static shapes of a call's tensor arguments, in the order of the function's inputs."""
+    return [t.shape for t in tf.nest.flatten(args, expand_composites=True) if isinstance(t, (tf.Tensor, tf.Variable))]
+
+
+def passive_graph(concrete, args, optimized=None):
+    """The GraphDef of the step with passive mode's tensor pool: its optimized graph (obtained without running it,
+    unless given) with every tensor that waits while memory is allocated handed to the pool (see `pooled`)."""
+    if optimized is None:
+        optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
+    return pooled(concrete, optimized, min_bytes=MEASURED_MIN_HOLD_BYTES, defer=True, shapes_of=args)
+
+
+def passive_step(concrete, args, graph_def=None):
+    """The step with passive mode's tensor pool (`passive_graph`, or `graph_def` if given). Run it with
     `rewrite.call_without_grappler` and passive mode on: it completes under a limit the plain step does not fit, as
     long as what is not pooled fits, with the plain step's results bit for bit."""
-    optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
-    return rewrite.rebuild(concrete, pooled(concrete, optimized, min_bytes=MEASURED_MIN_HOLD_BYTES, defer=True),
-                           name="capuchin_passive_step")
+    if graph_def is None:
+        graph_def = passive_graph(concrete, args)
+    return rewrite.rebuild(concrete, graph_def, name="capuchin_passive_step")
 
 
-def pooled(concrete, graph_def, min_bytes: int = MIN_HOLD_BYTES, defer: bool = False):
+def pooled(concrete, graph_def, min_bytes: int = MIN_HOLD_BYTES, defer: bool = False, shapes_of=None):
     """`graph_def` (the step's optimized graph, rewritten or not) with every tensor that waits while memory is
     allocated handed to the pool (passive.hold_plan, rewrite.insert_hold_get): under passive mode the allocator can
     evict any of them on demand. With `defer`, gradient ops ready long before they are needed first wait for the op
-    before their first reader (schedule.deferral_gates): the measured step's order, which guided steps follow."""
+    before their first reader (schedule.deferral_gates): the measured step's order, which guided steps follow.
+    `shapes_of`: the call's arguments, whose shapes fill in what the function's input signature leaves open."""
     # Static shapes of every tensor of the graph (Grappler's and capuchin_tf's new nodes included): imported as is.
-    shaped = rewrite.rebuild(concrete, graph_def, name="capuchin_shapes").graph
+    shaped = rewrite.rebuild(concrete, graph_def, name="capuchin_shapes",
+                             input_shapes=None if shapes_of is None else input_shapes(shapes_of)).graph
     if defer:
         graph_def = rewrite.add_gates(graph_def, deferral_gates(capture.graph_model(graph_def, shaped)))
     graph = fold_views(capture.graph_model(graph_def, shaped))  # a far read through a Reshape is a far read
@@ -119,18 +133,19 @@ def pooled(concrete, graph_def, min_bytes: int = MIN_HOLD_BYTES, defer: bool = F
 
 
 def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None = None, meta: dict | None = None,
-                 keep_profile: str | None = None):
+                 keep_profile: str | None = None, graph_def=None):
     """Runs `step(*args)` once as the measured execution. Returns (outputs, AccessTrace).
 
     `step` is a tf.function training step; `args` its inputs (tensors). The step really runs: its updates happen,
     with the same results as a plain step. With `passive` (the default), the step runs as `passive_step` (tensors that wait
     while memory is allocated are held by capuchin_tf's tensor pool) with passive mode on: if an allocation would fail, pooled tensors are evicted to
     host memory and brought back when read, so the step completes under a device limit it does not fit in; the
-    trace is corrected to the ideal timeline and records the evicted bytes (the saving target).
+    trace is corrected to the ideal timeline and records the evicted bytes (the saving target). `graph_def`: the
+    passive step's graph (`passive_graph`), if already made.
     """
     concrete = capture.concrete_step(step, args)  # traces the function and refuses jit_compile
     if passive:
-        fn = passive_step(concrete, args)
+        fn = passive_step(concrete, args, graph_def)
         run, func_graph = (lambda: rewrite.call_without_grappler(fn, *args)), fn.graph
     else:
         run, func_graph = (lambda: step(*args)), concrete.graph
@@ -148,7 +163,7 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
             ops.set_passive_mode(passive)
             t0 = time.perf_counter()
             try:
-                outputs, graph_def = capture.run_with_post_optimization_graph(run, func_graph)
+                outputs, executed_def = capture.run_with_post_optimization_graph(run, func_graph)
             finally:
                 wall = time.perf_counter() - t0
                 ops.set_passive_mode(False)
@@ -168,7 +183,7 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
     # profiler clock = monotonic clock - offset
     offset = sum(m - a for m, a in zip(mono, anchors)) // max(len(anchors), 1) if len(anchors) == len(mono) else 0
     stall_spans = [(int(s) - offset, int(e) - offset) for s, e in zip(stalls["start_ns"], stalls["end_ns"])]
-    model, aliases = fold_pool_ops(capture.graph_model(graph_def, func_graph))
+    model, aliases = fold_pool_ops(capture.graph_model(executed_def, func_graph))
     model = fold_views(model)  # reads through views are reads of the buffer they view
     info = dict(meta or {})
     info.setdefault("tf_version", tf.__version__)

@@ -41,12 +41,15 @@ def safe_name(tid: str) -> str:
     return re.sub(r"[^A-Za-z0-9_./-]", "_", f"{op}_{slot}")
 
 
-def rebuild(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step") -> ConcreteFunction:
+def rebuild(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step",
+            input_shapes: Sequence | None = None) -> ConcreteFunction:
     """A ConcreteFunction running `graph_def` on `concrete`'s captured variables, with `concrete`'s inputs, outputs
     and structured outputs. `graph_def` is the post-optimization graph of `concrete` (capture.optimized_graph), as
     is or edited: its `_Arg` nodes (by index: the user's inputs, then the captures) become the new function's
     inputs, its `_Retval` nodes its outputs. Call the result with `call_without_grappler`: the graph is already
-    optimized, and Grappler must not rewrite the nodes capuchin_tf inserted."""
+    optimized, and Grappler must not rewrite the nodes capuchin_tf inserted. `input_shapes`: static shapes for the
+    user's inputs instead of the function's own (the step's real shapes, for a graph read only for its static
+    shapes, when the function's input signature leaves dimensions open)."""
     orig = concrete.graph
     n_user = len(orig.inputs) - len(orig.captures)
     body = graph_pb2.GraphDef()
@@ -81,7 +84,8 @@ def rebuild(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step"
         new_inputs = []
         for i in range(n_user):
             t = orig.inputs[i]
-            ph = tf.compat.v1.placeholder(t.dtype, t.shape, name=f"capuchin_input_{i}")
+            shape = t.shape if input_shapes is None else input_shapes[i]
+            ph = tf.compat.v1.placeholder(t.dtype, shape, name=f"capuchin_input_{i}")
             new_inputs.append(ph)
             input_map[f"{args[i]}:0"] = ph
         for j, (external, _) in enumerate(orig.captures):

@@ -1,54 +1,66 @@
 """The runtime: measured execution, then guided execution, per input signature (paper.md §1.3, §1.6, §1.11).
 
-`ManagedStep` runs a `tf.function` training step. The first call for an input signature is the measured execution
-(profile.measure_step: a real step in passive mode under the device limit); its trace and the budget give a plan
-(policy.make_plan); the plan is applied to the step's optimized graph (rewrite.apply_plan) and every later call runs
-that guided step. After each guided step the runtime reads what the host store saw (which swap-ins waited for their
-copy and how long, the allocator's peak) and adjusts the plan (capuchin_tf.feedback): a late prefetch moves that
-tensor's in-trigger earlier by 5% of its swap time (the paper) or by its wait, if longer; a prefetch evicted again
-before its use moves it later; a peak over the budget re-plans for a tighter budget (beyond the paper). The step is
-re-rewritten only when the plan changed, at most once per step and at most `max_replans` times; it is settled after
-`settle_steps` steps without a change. The emulated link (p100) follows the speed the guided steps compute at.
+`ManagedStep` runs a `tf.function` training step. A signature is the concrete function and the shapes and dtypes of
+the call's tensors: each gets its own measurement and plan (at most `max_signatures`, least recently used first out,
+with a warning). The first call of a signature is the measured execution (profile.measure_step: a real step in
+passive mode under the budget); its trace and the budget give a plan (policy.make_plan); the plan is applied to the
+step's optimized graph (rewrite.apply_plan) and every later call runs that guided step. After each guided step the
+runtime reads what the host store saw (which swap-ins waited for their copy and how long, the allocator's peak) and
+adjusts the plan (capuchin_tf.feedback): a late prefetch moves that tensor's in-trigger earlier by 5% of its swap time
+(the paper) or by its wait, if longer; a prefetch evicted again before its use moves it later; a peak over the budget
+re-plans for a tighter budget (beyond the paper). The step is re-rewritten only when the plan changed, at most once
+per step and at most `max_replans` times; it is settled after `settle_steps` steps without a change. The emulated
+link (p100) follows the speed the guided steps compute at.
 
-Safety: for capuchin's policies (capuchin, swap-only, recompute-only) every guided step keeps passive mode's pool:
-tensors the plan does not handle are handed to it as in the measured step, and what the plan did not foresee is
-evicted on demand (the baselines swap-all and checkpoint run their plans alone). Guided steps also run with a host
-copy of the variables the step writes (by default every step; with `protect_steps=N`, the N steps after each plan
-change); an out-of-memory error restores them and retries the step with a tighter plan (the planner's model does not
-see BFC fragmentation, and copies and prefetches vary in timing from step to step, so a plan that fitted can fail
-later; a tighter plan is one that fits a tighter budget, never one predicted higher than the plan that failed, else
-the same plan runs again: ManagedStep._tighten); after `max_retries` tries the step runs in passive mode (the
-measured step's mechanism, which completed under the budget; run once more, the variables restored, if it runs out of
-memory; `passive_rescue = False` raises instead) and the next steps go on with the tightened plan. Without a copy,
-the guided graph being pinned to one order
-(schedule.guided_order), the ops before a failing op are exactly the ones that ran: an out-of-memory error before the
-first variable write is retried the same way; after it, the step fails with a message saying that updates may be
-partial, never repeating one. A step that cannot be rewritten runs as plain
-TensorFlow, with one warning. The measured step, which has no plan to tighten, is run once more after an
-out-of-memory error, its written variables restored from a host copy first (where it fails depends on BFC
-fragmentation, which varies from run to run); if it fails again, the variables are restored before the error is
-raised.
+The budget holds: while a managed step runs, the device allocator enforces `budget_bytes` when it is below the
+device's size (ops.set_memory_budget: passive eviction at the budget, an out-of-memory error past it). A budget below
+what the step can ever need (the working-set floor: persistent state plus the largest op's transient inputs and
+outputs, graph_model.working_set_floor) is refused with `BudgetError` before anything runs.
+
+Same numbers or a clear refusal (design.md, promises 1 and 4). What the step writes is found in its optimized graph
+(recovery.state_writes: variables, optimizer state, seed generators, random generators, in cond branches and loop
+bodies too), and host copies of it are taken before every attempt that can fail part-way. An attempt that fails has
+whatever it may have written restored (recovery.possibly_written: every write that does not depend on the failing
+op) before anything else happens, so a retry never applies an update twice:
+- the measured step, out of memory: restored and run once more (where it fails depends on BFC fragmentation, which
+  varies from run to run); a second failure raises `BudgetError`, the variables as they were;
+- a guided step, out of memory: restored and retried with a tighter plan (ManagedStep._tighten), or the plan of the
+  last guided step that completed; after `max_retries` tries the step runs in passive mode (the measured step's
+  mechanism), once more after another failure, then raises `CapuchinError`;
+- any other error of a capuchin_tf graph: restored, then the plain step runs; if it fails too the error is the
+  step's own and is raised; else capuchin_tf refuses the signature.
+A signature capuchin_tf cannot manage (it writes state that cannot be copied back; its plan cannot be applied; its
+measured or guided graph fails) runs as plain TensorFlow from then on, with one warning naming the reason
+(`strict=True` raises `CapuchinError` instead, the variables as they were). A first call that raises leaves nothing
+behind: the next call measures again. One managed step runs at a time in a process (the profiler, the allocator's
+modes and the host store are process-wide): calls from several threads wait for each other.
+
+Safety net: for capuchin's policies (capuchin, swap-only, recompute-only) every guided step keeps passive mode's
+pool: tensors the plan does not handle are handed to it as in the measured step, and what the plan did not foresee
+is evicted on demand (the baselines swap-all and checkpoint run their plans alone).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
-import hashlib
-import re
+import threading
 import time
 import warnings
 from typing import Any, Mapping
 
-import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
-from capuchin_tf import capture, ops, profile, rewrite
+from capuchin_tf import _version, capture, ops, profile, recovery, rewrite
+from capuchin_tf.budget import format_bytes
 from capuchin_tf.device_model import DeviceModel
 from capuchin_tf.feedback import move_triggers
+from capuchin_tf.graph_model import fold_views, working_set_floor
 from capuchin_tf.plan import Plan
 from capuchin_tf.plan_cache import CacheKey, PlanCache
 from capuchin_tf.policy import make_plan
-from capuchin_tf.schedule import guided_order, is_variable_writer
 from capuchin_tf.trace import AccessTrace
 
 DEVICE = "CPU:0"
@@ -58,9 +70,12 @@ TIGHTEN_PROBES = 3  # if no plan fits that budget: plans bisecting toward the cu
 # (the plain executor's own order can peak higher than the measured one: 77 against 68 MiB on the cnn at batch 32).
 NOTHING_TO_SAVE = 0.85
 CAPUCHIN_POLICIES = frozenset({"capuchin", "swap-only", "recompute-only"})
-
-
 MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, after an out-of-memory error
+MAX_SIGNATURES = 8  # input signatures kept per step (each has its own measurement, plan and rewritten graph)
+
+# One managed step at a time in a process: the profiler, the allocator's passive mode and budget, the host store's
+# link emulation and stall log are process-wide.
+_PROCESS_LOCK = threading.RLock()
 
 
 def oom_line(error: Exception) -> str:
@@ -71,7 +86,17 @@ def oom_line(error: Exception) -> str:
 
 
 class CapuchinError(RuntimeError):
-    """A managed step failed in a way capuchin_tf cannot recover from (the message says what was written)."""
+    """A managed step failed in a way capuchin_tf cannot recover from, or (strict) a step it cannot manage; the
+    message says what, and whether anything was written."""
+
+
+class BudgetError(CapuchinError):
+    """The memory budget is below what the step can ever need (raised before anything runs), or the measured step
+    could not complete under it (raised with the variables as they were)."""
+
+
+class _Refusal(Exception):
+    """Why capuchin_tf does not manage a signature (internal: ManagedStep._refuse turns it into one warning)."""
 
 
 @dataclasses.dataclass
@@ -96,29 +121,48 @@ class SignatureState:
     """Everything capuchin_tf keeps for one input signature of the step."""
 
     concrete: Any
+    key: str = ""
     trace: AccessTrace | None = None
     plan: Plan | None = None
     plan_budget: int = 0  # the budget the current plan was made for (tightened after failures)
     fn: Any = None  # the guided ConcreteFunction; None: run the plain step
+    guided_def: Any = None  # the GraphDef `fn` runs
     optimized: Any = None  # the optimized GraphDef the plan is applied to
+    shaped: Any = None  # the optimized graph imported with the call's shapes (static shapes of every tensor)
     tensor_info: dict = dataclasses.field(default_factory=dict)  # tensor id -> (dtype name, shape)
-    order: dict = dataclasses.field(default_factory=dict)  # node name -> position in the enforced order
-    first_write: int = 0  # position of the first variable write in that order
+    writes: recovery.StateWrites | None = None  # what the step writes
+    snapshot: recovery.Snapshot | None = None  # host copies of it
+    floor_bytes: int = 0  # persistent bytes + the working-set floor (graph_model.working_set_floor)
+    floor_op: str = ""
     history: list = dataclasses.field(default_factory=list)  # StepRecord per call
     replans: int = 0
     steps_since_change: int = 0
-    fallback_reason: str | None = None
+    fallback_reason: str | None = None  # set: capuchin_tf refused the signature, which runs as plain TensorFlow
     from_cache: bool = False
-    written: list = dataclasses.field(default_factory=list)  # the variables the step writes
     passive_fn: Any = None  # the step with passive mode's tensor pool (the last resort after repeated OOM)
+    passive_def: Any = None
     # How much faster guided steps compute than the measured step's trace says: trace step time over the fastest
     # guided step's time without its waits for copies (recomputation included, so an underestimate).
     speedup: float = 1.0
     protected_steps: int = 0  # guided steps left that run with a host snapshot of `written` (after a plan change)
     untightenable_at: int = 0  # a plan budget for which no tighter plan was found (not searched again)
-    # The plan of the last guided step that completed (after retries or not): (plan, plan budget, fn).
+    # The plan of the last guided step that completed (after retries or not): (plan, plan budget, fn, its GraphDef).
     good: tuple | None = None
     earlier_frozen: bool = False  # late prefetches no longer move triggers earlier (that had run out of memory)
+
+
+def signature_key(concrete, args) -> str:
+    """The concrete function's name and the dtypes and shapes of the call's tensors."""
+    name = concrete.name if isinstance(concrete.name, str) else concrete.name.decode()
+    parts = [f"{t.dtype.name}{list(t.shape)}" for t in tf.nest.flatten(args, expand_composites=True)
+             if isinstance(t, (tf.Tensor, tf.Variable))]
+    return f"{name}({', '.join(parts)})"
+
+
+def device_limit_bytes() -> int | None:
+    """The device allocator's limit (the simulated device's size), or None when it has none."""
+    limit = int(ops.allocator_stats()["bytes_limit"])
+    return limit if limit > 0 else None
 
 
 class ManagedStep:
@@ -127,7 +171,8 @@ class ManagedStep:
     def __init__(self, tf_fn, *, budget_bytes: int | None, policy: str, link: str | float,
                  policy_options: Mapping[str, Any] | None = None, cache_dir: str | None = None,
                  feedback: bool = True, max_replans: int = 20, settle_steps: int = 10, max_retries: int = 2,
-                 protect_steps: int | None = None, verbose: bool = False):
+                 protect_steps: int | None = None, strict: bool = False, max_signatures: int = MAX_SIGNATURES,
+                 verbose: bool = False):
         self._fn = tf_fn
         self.budget_bytes = budget_bytes
         self.policy = policy
@@ -136,8 +181,7 @@ class ManagedStep:
         if policy == "capuchin":
             # A step must run a plan that fits: when the hybrid greedy paints itself into a corner and one of its
             # halves fits, that half's plan runs (docs/policy.md, "fallback"; the policy benchmarks of issue 4 keep
-            # it off so that they compare the paper's algorithm as it is). Seen on dropout-bn at half its transient
-            # peak (p100): the hybrid plan was 30 MiB over the budget at a BatchNorm gradient, recompute-only fit.
+            # it off so that they compare the paper's algorithm as it is).
             self.policy_options.setdefault("fallback", True)
         self.cache = PlanCache(cache_dir) if cache_dir else None
         self.feedback = feedback
@@ -145,12 +189,15 @@ class ManagedStep:
         self.settle_steps = settle_steps
         self.max_retries = max_retries
         self.protect_steps = protect_steps  # None: every guided step
+        self.strict = strict
+        self.max_signatures = max_signatures
         # Passive mode during guided steps (the pool and on-demand eviction) is Capuchin's; the baselines (swap-all,
         # checkpoint) run their plans alone, so that their max batch is their plan's.
         self.safety_net = policy in CAPUCHIN_POLICIES
         self.passive_rescue = True  # off: a guided step that keeps running out of memory raises CapuchinError
         self.verbose = verbose
-        self._states: dict[str, SignatureState] = {}
+        self._states: collections.OrderedDict[str, SignatureState] = collections.OrderedDict()
+        self._warned_signatures = False
 
     # ---- public ------------------------------------------------------------------------------------------------
     @property
@@ -158,7 +205,7 @@ class ManagedStep:
         return self._fn
 
     def states(self) -> dict[str, SignatureState]:
-        """Per input signature (the concrete function's name), what capuchin_tf measured and planned."""
+        """Per input signature (concrete function and the call's shapes), what capuchin_tf measured and planned."""
         return dict(self._states)
 
     def report(self) -> dict:
@@ -170,6 +217,7 @@ class ManagedStep:
                 "phase": st.history[-1].phase if st.history else None,
                 "budget_bytes": self.budget_bytes,
                 "plan_budget_bytes": st.plan_budget,
+                "floor_bytes": st.floor_bytes,
                 "swapped_tensors": len(plan.swaps) if plan else 0,
                 "swapped_bytes": plan.swapped_bytes if plan else 0,
                 "recomputed_tensors": len(plan.recomputes) if plan else 0,
@@ -187,16 +235,126 @@ class ManagedStep:
         if kwargs:
             raise TypeError("a capuchin_tf.function step takes positional arguments only; got keyword arguments "
                             f"{sorted(kwargs)}")
+        with _PROCESS_LOCK:
+            return self._call(args)
+
+    def _call(self, args):
         ops.set_small_pool(True)  # small tensors get a pool of their own (the allocator's switch; one small op)
         concrete = capture.concrete_step(self._fn, args)
-        key = concrete.name if isinstance(concrete.name, str) else concrete.name.decode()
+        key = signature_key(concrete, args)
         state = self._states.get(key)
         if state is None:
-            state = self._states[key] = SignatureState(concrete=concrete)
+            state = self._new_state(concrete, key, args)
+        else:
+            self._states.move_to_end(key)
+        if state.fallback_reason is not None:
+            return self._plain(state, args)
+        if state.trace is None:
             if self._load_cached(state, args):
                 return self._guided(state, args)
-            return self._measured(state, args)
+            try:
+                return self._measured(state, args)
+            except BaseException:
+                # Nothing of this call is left behind (the variables were restored): the next call measures again.
+                if state.trace is None and self._states.get(key) is state:
+                    del self._states[key]
+                raise
         return self._guided(state, args)
+
+    # ---- signatures ----------------------------------------------------------------------------------------------
+    def _new_state(self, concrete, key: str, args) -> SignatureState:
+        state = SignatureState(concrete=concrete, key=key)
+        try:
+            self._prepare(state, args)
+        except _Refusal as refusal:
+            self._refuse(state, str(refusal))
+        if len(self._states) >= self.max_signatures:
+            old, _ = self._states.popitem(last=False)
+            if not self._warned_signatures:
+                self._warned_signatures = True
+                warnings.warn(f"capuchin_tf: this step was called with more than {self.max_signatures} input "
+                              f"signatures (shapes); each new one is measured again, and the least recently used "
+                              f"({old}) was dropped. Pad or bucket the inputs to a few shapes, or raise "
+                              "max_signatures.", RuntimeWarning, stacklevel=4)
+        self._states[key] = state
+        return state
+
+    def _prepare(self, state: SignatureState, args) -> None:
+        """The optimized graph, what it writes, and the working-set floor (before the step ever runs)."""
+        concrete = state.concrete
+        captures = [external for external, _ in concrete.graph.captures]
+        n_user = len(concrete.graph.inputs) - len(captures)
+        try:
+            state.optimized = capture.optimized_graph(concrete, args)
+        except (capture.CaptureError, tf.errors.OpError) as e:
+            raise _Refusal(f"its optimized graph could not be read ({type(e).__name__}: {oom_line(e)})") from e
+        writes = recovery.state_writes(state.optimized, n_user)
+        if writes.unknown:
+            raise _Refusal(f"it writes state capuchin_tf cannot copy and restore after a failure: "
+                           f"{', '.join(writes.unknown[:3])} (a resource that is not a captured variable)")
+        try:
+            state.snapshot = recovery.Snapshot(captures, writes.captures)
+        except ValueError as e:
+            raise _Refusal(f"it writes a resource capuchin_tf cannot copy ({e})") from e
+        state.writes = writes
+        try:
+            state.shaped = rewrite.rebuild(concrete, state.optimized, name="capuchin_shapes",
+                                           input_shapes=profile.input_shapes(args)).graph
+        except rewrite.RewriteError as e:
+            raise _Refusal(f"its optimized graph could not be imported ({e})") from e
+        floor = working_set_floor(fold_views(capture.graph_model(state.optimized, state.shaped)))
+        persistent = tf.config.experimental.get_memory_info(DEVICE)["current"]
+        state.floor_bytes, state.floor_op = persistent + floor.bytes, floor.op
+        if self.budget_bytes is not None and state.floor_bytes > self.budget_bytes:
+            raise BudgetError(
+                f"capuchin_tf: a memory budget of {format_bytes(self.budget_bytes)} is below what this step needs at "
+                f"once: op {floor.op!r} ({floor.op_type}) reads and writes {format_bytes(floor.bytes)} of tensors "
+                f"while {format_bytes(persistent)} of persistent state (variables, optimizer slots, the step's "
+                f"inputs) is on the device. No budget below {format_bytes(state.floor_bytes)} can work (the op's "
+                "temporaries come on top); nothing was run.")
+
+    def _refuse(self, state: SignatureState, reason: str) -> None:
+        """The signature runs as plain TensorFlow from now on, with one warning (strict: CapuchinError)."""
+        if self.strict:
+            raise CapuchinError(f"capuchin_tf cannot manage this step ({state.key}): {reason}")
+        state.fallback_reason = reason
+        state.fn = None
+        warnings.warn(f"capuchin_tf: running the plain TensorFlow step for this input signature: {reason}",
+                      RuntimeWarning, stacklevel=5)
+
+    def _plain(self, state: SignatureState, args):
+        tf.config.experimental.reset_memory_stats(DEVICE)
+        t0 = time.perf_counter()
+        outputs = self._fn(*args)
+        state.history.append(StepRecord("plain", time.perf_counter() - t0,
+                                        tf.config.experimental.get_memory_info(DEVICE)["peak"]))
+        return outputs
+
+    @contextlib.contextmanager
+    def _budget(self):
+        """The allocator enforces the budget while a managed step runs (when it is below the device's size)."""
+        limit = device_limit_bytes()
+        on = self.budget_bytes is not None and limit is not None and self.budget_bytes < limit
+        if on:
+            ops.set_memory_budget(self.budget_bytes)
+        try:
+            yield
+        finally:
+            if on:
+                ops.set_memory_budget(None)
+
+    def _own_error_or_refuse(self, state: SignatureState, args, error: Exception, what: str):
+        """A capuchin_tf graph failed with `error` (not out of memory), its writes restored: the plain step tells
+        whose error it is. If it fails too, its error is raised (the step's own); else the signature is refused and
+        the plain step's outputs returned. Strict: CapuchinError at once."""
+        reason = f"its {what} failed: {type(error).__name__}: {oom_line(error)}"
+        if self.strict:
+            raise CapuchinError(f"capuchin_tf cannot manage this step ({state.key}): {reason}; the variables are "
+                                "as they were before the call") from error
+        outputs = self._fn(*args)
+        self._refuse(state, reason)
+        state.history.append(StepRecord("plain", 0.0, tf.config.experimental.get_memory_info(DEVICE)["peak"]))
+        return outputs
 
     # ---- measured execution ------------------------------------------------------------------------------------
     def _meta(self, concrete) -> dict:
@@ -221,44 +379,78 @@ class ManagedStep:
         return model
 
     def _measured(self, state: SignatureState, args):
-        """The measured step. It has no plan to tighten, but where it fails depends on BFC fragmentation, which varies
-        from run to run (a tensor the pool cannot evict, in use at that moment, splits the free memory): once, an
-        out-of-memory error restores the written variables from a host copy and runs the measured step again."""
+        """The measured step (see the module docstring for what happens when it fails)."""
         t0 = time.perf_counter()
-        meta = self._meta(state.concrete)
-        snapshot = self._snapshot(state) if self.max_retries > 0 else None
+        try:
+            meta = self._meta(state.concrete)
+            if state.passive_def is None:
+                state.passive_def = profile.passive_graph(state.concrete, args, state.optimized)
+        except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
+            self._refuse(state, f"its measured step could not be built ({type(e).__name__}: {e})")
+            return self._plain(state, args)
+        state.snapshot.take()
         retried = 0
         while True:
             tf.config.experimental.reset_memory_stats(DEVICE)
             try:
-                outputs, trace = profile.measure_step(self._fn, args, budget_bytes=self.budget_bytes, meta=meta)
+                with self._budget():
+                    outputs, trace = profile.measure_step(self._fn, args, budget_bytes=self.budget_bytes, meta=meta,
+                                                          graph_def=state.passive_def)
                 break
             except tf.errors.ResourceExhaustedError as e:
-                if snapshot is not None:
-                    self._restore(state, snapshot)  # no update is lost or half made, retried or not
-                if snapshot is None or retried >= MEASURED_RETRIES:
-                    raise
+                state.snapshot.restore(recovery.possibly_written(state.passive_def, state.writes,
+                                                                 recovery.failed_node(e)))
+                if retried >= MEASURED_RETRIES:
+                    raise BudgetError(
+                        f"capuchin_tf: the measured step ran out of memory twice under a budget of "
+                        f"{format_bytes(self.budget_bytes or 0)} (TensorFlow said: {oom_line(e)}); the variables are "
+                        f"as they were. The step needs at least {format_bytes(state.floor_bytes)} (persistent state "
+                        f"and op {state.floor_op!r}'s tensors); what passive mode could not evict in time (tensors "
+                        "made or read in cond branches or loop bodies, tensors in use, fragmentation) needs more: "
+                        "try a larger budget.") from e
                 retried += 1
                 if self.verbose:
                     print(f"capuchin_tf: the measured step ran out of memory ({oom_line(e)}); variables restored, "
                           "running it again", flush=True)
+            except Exception as e:  # an error of the measured graph: not ours to pass on unless the step's own
+                state.snapshot.restore()
+                return self._own_error_or_refuse(state, args, e, "measured step")
         seconds = time.perf_counter() - t0
         state.trace = trace
         state.history.append(StepRecord("measured", seconds, trace.peak_bytes, retried=retried))
-        self._plan_and_rewrite(state, args, self.budget_bytes)
+        try:
+            self._plan_and_rewrite(state, args, self.budget_bytes)
+        except (_Refusal, Exception) as e:  # noqa: BLE001  (whatever went wrong, the step's update stands, once)
+            if self.strict:
+                state.snapshot.restore()
+                raise CapuchinError(f"capuchin_tf cannot manage this step ({state.key}): planning failed "
+                                    f"({type(e).__name__}: {e}); the variables are as they were before the call") from e
+            self._refuse(state, str(e) if isinstance(e, _Refusal) else f"planning failed ({type(e).__name__}: {e})")
         if self.cache is not None and state.plan is not None and state.fallback_reason is None:
-            self.cache.store(self._cache_key(state, args), state.plan, extra={"trace": trace.to_json()})
+            try:
+                self.cache.store(self._cache_key(state, args), state.plan, extra={"trace": trace.to_json()})
+            except OSError as e:
+                warnings.warn(f"capuchin_tf: the plan could not be cached ({e})", RuntimeWarning, stacklevel=4)
         return outputs
 
     def _cache_key(self, state: SignatureState, args) -> CacheKey:
-        graph = state.concrete.graph.as_graph_def()
-        h = hashlib.sha256()
-        for node in graph.node:
-            h.update(f"{node.name}|{node.op}|{','.join(node.input)};".encode())
-        signature = ";".join(f"{a.dtype.name}{list(a.shape)}" for a in args)
-        return CacheKey(graph_fingerprint=h.hexdigest(), input_signature=signature,
-                        budget_bytes=int(self.budget_bytes or 0), policy=self.policy, link=str(self.link),
-                        tf_version=tf.__version__, options=tuple(sorted(self.policy_options.items())))
+        """Everything a plan depends on: the graph (nodes with their attributes), the call's and the variables'
+        shapes and dtypes, the budget, policy, options and link, and the versions of TensorFlow and capuchin_tf."""
+        signature = ";".join(f"{t.dtype.name}{list(t.shape)}" for t in tf.nest.flatten(args, expand_composites=True)
+                             if isinstance(t, (tf.Tensor, tf.Variable)))
+        variables = []
+        for external, _ in state.concrete.graph.captures:
+            data = resource_variable_ops.get_eager_safe_handle_data(external) if external.dtype == tf.resource else None
+            if data is not None and data.is_set:
+                variables.append(";".join(f"{tf.as_dtype(d.dtype).name}{tf.TensorShape(d.shape)}"
+                                          for d in data.shape_and_type))
+            else:
+                variables.append(f"{external.dtype.name}{list(external.shape)}")
+        return CacheKey(graph_fingerprint=capture.graph_fingerprint(state.concrete.graph.as_graph_def()),
+                        input_signature=signature, budget_bytes=int(self.budget_bytes or 0), policy=self.policy,
+                        link=str(self.link), tf_version=tf.__version__, options=tuple(sorted(
+                            self.policy_options.items())),
+                        capuchin_tf_version=_version.__version__, variables="|".join(variables))
 
     def _load_cached(self, state: SignatureState, args) -> bool:
         if self.cache is None:
@@ -271,48 +463,49 @@ class ManagedStep:
             trace = AccessTrace.from_json(extra["trace"])
         except (KeyError, TypeError, ValueError) as e:
             warnings.warn(f"capuchin_tf: the cached plan has no usable trace ({e}); measuring again",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=4)
             return False
         state.trace, state.from_cache = trace, True
         self._device_model(trace, state)
-        self._install(state, args, plan, self.budget_bytes or 0)
-        return state.fallback_reason is None
+        try:
+            self._install(state, args, plan, self.budget_bytes or 0)
+        except _Refusal as e:
+            warnings.warn(f"capuchin_tf: the cached plan could not be applied ({e}); measuring again",
+                          RuntimeWarning, stacklevel=4)
+            state.trace, state.from_cache, state.plan = None, False, None
+            return False
+        return True
 
     # ---- planning and rewriting --------------------------------------------------------------------------------
-    def _plan_and_rewrite(self, state: SignatureState, args, budget: int | None) -> None:
+    def _plan_and_rewrite(self, state: SignatureState, args, budget: int | None, force: bool = False) -> None:
         trace = state.trace
         device_model = self._device_model(trace, state)
-        if budget is None or (trace.evicted_bytes == 0 and trace.peak_bytes <= NOTHING_TO_SAVE * self.budget_bytes):
+        if not force and (budget is None or (trace.evicted_bytes == 0
+                                             and trace.peak_bytes <= NOTHING_TO_SAVE * self.budget_bytes)):
             state.plan, state.plan_budget, state.fn = None, budget or 0, None  # nothing to save: run the plain step
             return
         plan = make_plan(trace, budget, self.policy, device_model, **self.policy_options)
         self._install(state, args, plan, budget)
 
-    def _install(self, state: SignatureState, args, plan: Plan, budget: int) -> None:
-        """Rewrites the step for `plan` (or falls back to the plain step, with one warning)."""
+    def _install(self, state: SignatureState, args, plan: Plan, budget: int) -> bool:
+        """Rewrites the step for `plan`. If that fails: the first plan raises _Refusal; a later one (feedback, a
+        tighter plan) warns and keeps the plan that runs. True when the new plan is installed."""
+        previous = (state.plan, state.plan_budget, state.fn, state.guided_def)
         # Even a plan with no decisions is applied: the measured order it pins is the one that fitted.
         state.plan, state.plan_budget = plan, budget
         state.protected_steps = self.protect_steps or 0
         if self.verbose:
             print(f"capuchin_tf: plan for {budget / 2**20:.1f} MiB: {plan.summary()}", flush=True)
         try:
-            if state.optimized is None:
-                state.optimized = capture.optimized_graph(state.concrete, args)
-                shaped = rewrite.rebuild(state.concrete, state.optimized, name="capuchin_shapes").graph
+            if not state.tensor_info:
                 for t in state.trace.tensors:
                     try:
-                        tensor = shaped.get_tensor_by_name(t)
+                        tensor = state.shaped.get_tensor_by_name(t)
                     except (KeyError, ValueError):
                         continue
                     shape = None if tensor.shape.rank is None else tuple(
                         -1 if d is None else d for d in tensor.shape.as_list())
                     state.tensor_info[t] = (tensor.dtype.name, shape)
-                names = {n.name for n in state.optimized.node}
-                order = [n for n in guided_order(state.trace.graph, {o.name: o.start for o in state.trace.ops})
-                         if n in names]
-                state.order = {n: i for i, n in enumerate(order)}
-                writes = [state.order[n] for n in order if is_variable_writer(state.trace.graph.ops[n].type)]
-                state.first_write = min(writes) if writes else len(order)
             missing = [d.tensor for d in plan.decisions if d.tensor not in state.tensor_info]
             if missing:
                 raise rewrite.RewriteError(f"planned tensors not in the optimized graph: {missing[:3]}")
@@ -323,15 +516,17 @@ class ManagedStep:
             # step: what the plan did not foresee (BFC fragmentation, a copy's timing) is evicted on demand instead
             # of failing the step. Capuchin's passive mode: the baselines run their plans alone.
             if self.safety_net:
-                graph_def = profile.pooled(state.concrete, graph_def)
+                graph_def = profile.pooled(state.concrete, graph_def, shapes_of=args)
             state.fn = rewrite.rebuild(state.concrete, graph_def, name="capuchin_guided_step")
+            state.guided_def = graph_def
+            return True
         except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
-            self._fall_back(state, f"the plan could not be applied: {e}")
-
-    def _fall_back(self, state: SignatureState, reason: str) -> None:
-        state.fn, state.fallback_reason = None, reason
-        warnings.warn(f"capuchin_tf: running the plain TensorFlow step for this input signature ({reason})",
-                      RuntimeWarning, stacklevel=4)
+            state.plan, state.plan_budget, state.fn, state.guided_def = previous
+            if previous[2] is None and previous[0] is None:
+                raise _Refusal(f"its plan could not be applied ({type(e).__name__}: {e})") from e
+            warnings.warn(f"capuchin_tf: a new plan could not be applied ({type(e).__name__}: {e}); the current "
+                          "plan stays", RuntimeWarning, stacklevel=4)
+            return False
 
     # ---- guided execution --------------------------------------------------------------------------------------
     def _guided(self, state: SignatureState, args):
@@ -342,49 +537,59 @@ class ManagedStep:
                       f"{tf.config.experimental.get_memory_info(DEVICE)['current'] / 2**20:.1f} MiB, host store "
                       f"{ops.host_store_stats()}", flush=True)
             protected = self.protect_steps is None or state.protected_steps > 0
-            snapshot = self._snapshot(state) if state.fn is not None and protected else None
+            if protected:
+                state.snapshot.take()
             before = ops.host_store_stats()
             ops.drain_stalls()
             tf.config.experimental.reset_memory_stats(DEVICE)
             t0 = time.perf_counter()
             try:
-                if state.fn is None:
-                    outputs = self._fn(*args)
-                else:
-                    # Passive mode stays on as a safety net: an allocation that would fail first evicts pooled
-                    # tensors and prefetched tensors their swap-in has not claimed (both come back on demand).
-                    ops.set_passive_mode(self.safety_net)
-                    try:
-                        outputs = rewrite.call_without_grappler(state.fn, *args)
-                    finally:
-                        ops.set_passive_mode(False)
+                with self._budget():
+                    if state.fn is None:
+                        outputs = self._fn(*args)
+                    else:
+                        # Passive mode stays on as a safety net: an allocation that would fail first evicts pooled
+                        # tensors and prefetched tensors their swap-in has not claimed (both come back on demand).
+                        ops.set_passive_mode(self.safety_net)
+                        try:
+                            outputs = rewrite.call_without_grappler(state.fn, *args)
+                        finally:
+                            ops.set_passive_mode(False)
             except tf.errors.ResourceExhaustedError as e:
-                # Failed before the first variable write of the pinned order: nothing was written, so nothing is
-                # restored. Restoring anyway moves the variables: the assignments take fresh device buffers
-                # wherever BFC has room (seen on the transformer: its 4 MiB embedding table and Adam slots scattered
-                # over the free memory after a retry, and the 20 MiB tensors of its head no longer fit).
-                # Failed later: only the variables written before the failing op are restored (on the transformer,
-                # the dropout layers' seed generators, written early in the forward pass, and not the embedding table
-                # and its Adam slots, which the optimizer writes at the end).
-                pos = self._failing_position(state, e) if state.fn is not None else None
-                untouched = pos is not None and pos < state.first_write
-                restored = not untouched and snapshot is not None and self._restore(
-                    state, snapshot, only=None if pos is None else self._written_before(state, pos))
-                if not (restored or untouched):
-                    raise self._failure(state, e) from e
+                graph_def = state.guided_def if state.fn is not None else state.optimized
+                written = recovery.possibly_written(graph_def, state.writes, recovery.failed_node(e))
+                if written is None or written:
+                    if not protected:
+                        raise self._failure(state, e) from e
+                    # Only what the failed attempt may have written: restoring moves a variable to a fresh device
+                    # buffer wherever BFC has room, which can split the free memory the retry needs.
+                    state.snapshot.restore(written)
                 retried += 1
+                if state.fn is None:
+                    # The plain step did not fit the budget after all (its executor's order peaks higher than the
+                    # measured one): from now on the plan, made for it.
+                    self._plan_and_rewrite(state, args, self.budget_bytes, force=True)
+                    continue
                 if retried > self.max_retries:
                     # The last resort: this step in passive mode (the measured step's mechanism, which completed
                     # under this budget), then back to the tightened plan.
                     if not self.passive_rescue:
                         raise self._failure(state, e, rescue_off=True) from e
-                    return self._passive(state, args, retried, e, snapshot)
+                    return self._passive(state, args, retried, e)
                 if not self._tighten(state, args, reason=f"out of memory ({oom_line(e)})"):
                     self._back_to_good(state)
                 continue
-            snapshot = None
+            except Exception as e:
+                if state.fn is None:
+                    raise  # the plain step's own error
+                if not protected:
+                    raise CapuchinError(f"capuchin_tf: the guided step failed ({type(e).__name__}: {oom_line(e)}) "
+                                        "and its written variables were not saved beforehand: some of this step's "
+                                        "updates may have been applied") from e
+                state.snapshot.restore()
+                return self._own_error_or_refuse(state, args, e, "guided step")
             if state.fn is not None:
-                state.good = (state.plan, state.plan_budget, state.fn)
+                state.good = (state.plan, state.plan_budget, state.fn, state.guided_def)
             state.protected_steps = max(state.protected_steps - 1, 0)
             seconds = time.perf_counter() - t0
             peak = tf.config.experimental.get_memory_info(DEVICE)["peak"]
@@ -416,72 +621,15 @@ class ManagedStep:
             state.steps_since_change = 0 if record.plan_changed or retried else state.steps_since_change + 1
             return outputs
 
-    @staticmethod
-    def _writers(state: SignatureState) -> dict:
-        """Each variable-writing op of the step's graph -> the variable it writes (None: a resource capuchin_tf cannot
-        read)."""
-        graph = state.concrete.graph
-        internal_to_external = {internal.name: external for external, internal in graph.captures}
-        by_handle = {id(v.handle): v for v in graph.variables}
-        writers = {}
-        for op in graph.get_operations():
-            if is_variable_writer(op.type) and op.inputs:
-                external = internal_to_external.get(op.inputs[0].name)
-                writers[op.name] = by_handle.get(id(external)) if external is not None else None
-        return writers
-
-    def _written_variables(self, state: SignatureState) -> list | None:
-        """The variables the step writes, or None if a written resource is not a variable capuchin_tf can read."""
-        variables = list(self._writers(state).values())
-        if any(v is None for v in variables):
-            return None
-        return list({id(v): v for v in variables}.values())
-
-    def _snapshot(self, state: SignatureState) -> list | None:
-        """Host copies of the variables the step writes (taken before a protected step), or None if not possible."""
-        if not state.written:
-            state.written = self._written_variables(state) or []
-        if not state.written:
-            return None
-        return [np.array(v.numpy(), copy=True) for v in state.written]
-
-    def _written_before(self, state: SignatureState, pos: int) -> set[int] | None:
-        """ids of the variables that ops before position `pos` of the pinned order write (the ops from `pos` on
-        cannot have run: each waits for the one before it), or None if a writer cannot be matched to a variable."""
-        writers = self._writers(state)
-        ids = set()
-        for name, i in state.order.items():
-            if i >= pos or not is_variable_writer(state.trace.graph.ops[name].type):
-                continue
-            variable = writers.get(name)
-            if variable is None:
-                return None
-            ids.add(id(variable))
-        return ids
-
-    def _restore(self, state: SignatureState, snapshot: list, only: set[int] | None = None) -> bool:
-        """Assigns the host copies back: to every written variable, or to those whose id is in `only`."""
-        for v, value in zip(state.written, snapshot):
-            if only is not None and id(v) not in only:
-                continue
-            # A tensor made from a numpy array can keep the array's (host) memory, and the assignment can adopt it:
-            # the variable would leave the device allocator (seen: ResNet50's 92.7 MiB of variables, then 0.6 MiB
-            # in use). DeepCopy allocates the value on the device first; holding a reference to it while assigning
-            # makes the assignment copy into the variable's own buffer rather than adopt the value's.
-            with tf.device(v.device):
-                held = tf.raw_ops.DeepCopy(x=tf.constant(value))
-            v.assign(held)
-            del held
-        return True
-
-    def _passive(self, state: SignatureState, args, retried: int, error, snapshot: list | None):
+    def _passive(self, state: SignatureState, args, retried: int, error):
         """The last resort for a guided step: the step in passive mode (the measured step's mechanism). Like the
-        measured step, it runs once more after an out-of-memory error, its written variables restored first, if a
-        host copy of them was taken: where it fails depends on BFC fragmentation, which varies from run to run (seen
-        on the transformer at 83 MiB, swap-only: a passive run failed on a 20 MiB tensor with 43 MiB free, in pieces
-        split by small chunks in use, where other passive runs from the same state completed)."""
+        measured step, it runs once more after an out-of-memory error; whatever a failed run may have written is
+        restored before anything else (where it fails depends on BFC fragmentation, which varies from run to run)."""
         if state.passive_fn is None:
-            state.passive_fn = profile.passive_step(state.concrete, args)
+            if state.passive_def is None:
+                state.passive_def = profile.passive_graph(state.concrete, args, state.optimized)
+            state.passive_fn = profile.passive_step(state.concrete, args, state.passive_def)
+        state.snapshot.take()
         tf.config.experimental.reset_memory_stats(DEVICE)
         t0 = time.perf_counter()
         reruns = 0
@@ -492,16 +640,18 @@ class ManagedStep:
                       f"{tf.config.experimental.get_memory_info(DEVICE)['current'] / 2**20:.1f} MiB", flush=True)
             ops.set_passive_mode(True)
             try:
-                outputs = rewrite.call_without_grappler(state.passive_fn, *args)
+                with self._budget():
+                    outputs = rewrite.call_without_grappler(state.passive_fn, *args)
                 break
             except tf.errors.ResourceExhaustedError as e:
                 failure = e
             finally:
                 ops.set_passive_mode(False)
                 ops.drain_stalls()
-            if snapshot is None or reruns >= MEASURED_RETRIES:
+            state.snapshot.restore(recovery.possibly_written(state.passive_def, state.writes,
+                                                             recovery.failed_node(failure)))
+            if reruns >= MEASURED_RETRIES:
                 raise self._failure(state, failure, passive=True) from error
-            self._restore(state, snapshot)
             reruns += 1
         state.history.append(StepRecord("passive", time.perf_counter() - t0,
                                         tf.config.experimental.get_memory_info(DEVICE)["peak"],
@@ -509,48 +659,17 @@ class ManagedStep:
         state.steps_since_change = 0
         return outputs
 
-    def _failing_position(self, state: SignatureState, error) -> int | None:
-        m = re.findall(r"\{\{node ([^}]+)\}\}", str(error))
-        if not m or not state.order:
-            return None
-        name = m[-1]
-        if name in state.order:
-            return state.order[name]
-        # An inserted node (capuchin/...): it runs before the first original op that depends on it, through its
-        # data or control outputs and other inserted nodes (a Get feeding a recomputation's clones, for instance).
-        if state.fn is None:
-            return None
-        try:
-            failed = state.fn.graph.get_operation_by_name(name)
-        except (KeyError, ValueError):
-            return None
-        seen, frontier, reached = {failed.name}, [failed], []
-        while frontier:
-            op = frontier.pop()
-            for c in [c for out in op.outputs for c in out.consumers()] + list(op._control_outputs):  # noqa: SLF001
-                if c.name in state.order:
-                    reached.append(state.order[c.name])
-                elif c.name not in seen:
-                    seen.add(c.name)
-                    frontier.append(c)
-        return min(reached) if reached else None
-
     def _failure(self, state: SignatureState, error, passive: bool = False, rescue_off: bool = False) -> CapuchinError:
-        pos = self._failing_position(state, error)
         if rescue_off:
             what = (f"in {self.max_retries + 1} guided attempts with tighter plans (the variables were restored; "
                     "passive-mode rescue is off)")
         elif passive:
-            what = "even in passive mode (what must stay on the device at once does not fit)"
-        elif state.fn is None:
-            what = "in the plain TensorFlow step (no plan was needed, or the plan could not be applied)"
-        elif pos is not None and pos >= state.first_write:
-            what = ("after the step had started updating variables: some of this step's updates may have been "
-                    "applied and the step is not retried (retrying would apply them twice)")
+            what = "even in passive mode (the variables were restored; what must stay on the device at once does not fit)"
         else:
-            what = "in a guided step whose written variables could not be saved beforehand, so it is not retried"
-        return CapuchinError(f"capuchin_tf: out of memory under a budget of {self.budget_bytes} bytes {what}. "
-                             f"TensorFlow said: {oom_line(error)}")
+            what = ("in a guided step whose written variables were not saved beforehand, after it may have written "
+                    "some of them: some of this step's updates may have been applied, and it is not retried")
+        return CapuchinError(f"capuchin_tf: out of memory under a budget of {format_bytes(self.budget_bytes or 0)} "
+                             f"{what}. TensorFlow said: {oom_line(error)}")
 
     def _tighten(self, state: SignatureState, args, reason: str) -> bool:
         """Re-plans for a tighter budget after an out-of-memory error or a peak over the budget; True if the plan
@@ -598,8 +717,7 @@ class ManagedStep:
                     print(f"capuchin_tf: no tighter plan fits (best predicted peak "
                           f"{plan.predicted_peak_bytes / 2**20:.1f} MiB); retrying the current plan", flush=True)
                 return False
-        self._install(state, args, plan, budget)
-        return True
+        return self._install(state, args, plan, budget)
 
     def _back_to_good(self, state: SignatureState) -> None:
         """After an out-of-memory error that no tighter plan answers: back to the last plan that ran, if the feedback
@@ -609,7 +727,7 @@ class ManagedStep:
         triggers earlier for this signature (early ones still move later)."""
         if state.good is None or state.good[0] is state.plan:
             return
-        state.plan, state.plan_budget, state.fn = state.good
+        state.plan, state.plan_budget, state.fn, state.guided_def = state.good
         state.earlier_frozen = True
         if self.verbose:
             print("capuchin_tf: back to the plan of the last guided step that completed; late prefetches no longer "
@@ -630,5 +748,4 @@ class ManagedStep:
         if plan is state.plan:
             return False
         state.replans += 1
-        self._install(state, args, plan, state.plan_budget)
-        return True
+        return self._install(state, args, plan, state.plan_budget)

@@ -39,12 +39,16 @@ std::atomic<CapuchinAllocator*> g_installed{nullptr};
 // so an allocation can wait for an in-flight swap-out to release its device buffer.
 //
 // Internal fragmentation: BFC hands out a whole free chunk unless it is at least twice the request or the surplus
-// reaches `fragmentation_fraction` of the limit (0: a fixed 128 MiB). On a 16 GiB P100 that 128 MiB is 1/128 of the
-// device; on a device of 82 MiB it means "never split below twice the request", and a 20 MiB tensor was seen
-// holding a 29.6 MiB chunk when the next 20 MiB request failed (the transformer at half its transient peak). The
-// simulated device keeps the GPU default's proportion: 1/128 of its limit (CAPUCHIN_TF_BFC_FRAGMENTATION_FRACTION
-// overrides it). Plain TensorFlow runs on the same allocator, so no gain comes from it.
-double FragmentationFraction() {
+// reaches `fragmentation_fraction` of the limit (0: a fixed 128 MiB). The simulated device splits every chunk larger
+// than the request (a fraction worth 256 bytes, BFC's granule), so that an allocation takes exactly its rounded size:
+// - a memory budget below the device's size can then be held exactly (CapuchinAllocator::MaxBytesAdded): with a
+//   GPU's default (1/128 of the device, 128 MiB on 16 GiB) any request under that surplus could take up to twice its
+//   size, and an exact budget would have to reserve twice every activation;
+// - no tensor holds more than it needs (seen with the GPU default on an 82 MiB device: a 20 MiB tensor holding a
+//   29.6 MiB chunk when the next 20 MiB request failed).
+// CAPUCHIN_TF_BFC_FRAGMENTATION_FRACTION overrides it (1/128: the GPU default's proportion). Plain TensorFlow runs on
+// the same allocator, so no gain comes from it.
+double FragmentationFraction(int64_t limit_bytes) {
   const char* env = std::getenv("CAPUCHIN_TF_BFC_FRAGMENTATION_FRACTION");
   if (env != nullptr) {
     char* end = nullptr;
@@ -52,15 +56,21 @@ double FragmentationFraction() {
     if (end != env && f >= 0.0 && f <= 1.0) return f;
     LOG(WARNING) << "capuchin: ignoring CAPUCHIN_TF_BFC_FRAGMENTATION_FRACTION=" << env << " (expected 0..1)";
   }
-  return 1.0 / 128;
+  // BFC truncates fraction x limit to whole bytes: 256.5 bytes' worth gives 256 (0 would split off empty chunks).
+  return limit_bytes > 0 ? 256.5 / static_cast<double>(limit_bytes) : 1.0 / 128;
+}
+
+// The simulated device's size in bytes from the environment, or 0 when it is not configured.
+int64_t SimulatedDeviceBytes() {
+  const char* use_bfc = std::getenv("TF_CPU_ALLOCATOR_USE_BFC");
+  const char* limit_mb = std::getenv("TF_CPU_BFC_MEM_LIMIT_IN_MB");
+  if (use_bfc == nullptr || std::string(use_bfc) != "true" || limit_mb == nullptr) return 0;
+  return std::max<int64_t>(0, std::atoll(limit_mb)) << 20;
 }
 
 tsl::BFCAllocator* SimulatedDeviceAllocator(double fragmentation_fraction) {
-  const char* use_bfc = std::getenv("TF_CPU_ALLOCATOR_USE_BFC");
-  const char* limit_mb = std::getenv("TF_CPU_BFC_MEM_LIMIT_IN_MB");
-  if (use_bfc == nullptr || std::string(use_bfc) != "true" || limit_mb == nullptr) return nullptr;
-  const int64_t mb = std::atoll(limit_mb);
-  if (mb <= 0) return nullptr;
+  const int64_t bytes = SimulatedDeviceBytes();
+  if (bytes <= 0) return nullptr;
   tsl::BFCAllocator::Options opts;
   opts.allow_growth = false;
   opts.allow_retry_on_failure = true;
@@ -69,7 +79,7 @@ tsl::BFCAllocator* SimulatedDeviceAllocator(double fragmentation_fraction) {
   return new tsl::BFCAllocator(
       std::make_unique<BasicCPUAllocator>(port::kNUMANoAffinity, std::vector<SubAllocator::Visitor>{},
                                           std::vector<SubAllocator::Visitor>{}),
-      static_cast<size_t>(mb) << 20, "bfc_cpu_allocator_for_gpu", opts);
+      static_cast<size_t>(bytes), "bfc_cpu_allocator_for_gpu", opts);
 }
 
 // The small-tensor pool's size: CAPUCHIN_TF_SMALL_POOL_MB if set (0 turns the pool off), else 1/128 of the device,
@@ -127,7 +137,7 @@ class RegionSubAllocator : public SubAllocator {
 CapuchinAllocator* SharedWrapper() {
   static std::once_flag once;
   std::call_once(once, [] {
-    const double fragmentation_fraction = FragmentationFraction();
+    const double fragmentation_fraction = FragmentationFraction(SimulatedDeviceBytes());
     tsl::BFCAllocator* bfc = SimulatedDeviceAllocator(fragmentation_fraction);
     Allocator* base = bfc;
     if (base == nullptr) base = ProcessState::singleton()->GetCPUAllocator(port::kNUMANoAffinity);

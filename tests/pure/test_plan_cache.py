@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 from capuchin_tf import synthetic
-from capuchin_tf.plan_cache import ENTRY_KIND, CacheKey, PlanCache, PlanCacheWarning
+from capuchin_tf.plan_cache import ENTRY_KIND, ENTRY_SCHEMA_VERSION, CacheKey, PlanCache, PlanCacheWarning
 from capuchin_tf.policy import make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -93,8 +93,8 @@ def test_options_are_sorted_pairs_whatever_their_order():
 def test_digest_is_sha256_of_the_canonical_json():
     key = CacheKey("g\u00e9", "sig", 1024, "capuchin", "native", "2.21.0", options={"b": 2, "a": 1.5})
     canonical = (
-        '{"budget_bytes":1024,"graph_fingerprint":"g\\u00e9","input_signature":"sig","link":"native",'
-        '"options":[["a",1.5],["b",2]],"policy":"capuchin","tf_version":"2.21.0"}'
+        '{"budget_bytes":1024,"capuchin_tf_version":"","graph_fingerprint":"g\\u00e9","input_signature":"sig",'
+        '"link":"native","options":[["a",1.5],["b",2]],"policy":"capuchin","tf_version":"2.21.0","variables":""}'
     )
     assert key.digest() == hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
@@ -153,7 +153,7 @@ def test_store_then_load_round_trip(tmp_path, plan):
     entry = json.loads(path.read_text())
     assert entry == {
         "kind": ENTRY_KIND,
-        "schema_version": 1,
+        "schema_version": ENTRY_SCHEMA_VERSION,
         "key": json.loads(json.dumps(key.to_json())),
         "plan": json.loads(json.dumps(plan.to_json())),
         "extra": {"measured_peak_bytes": 123},
@@ -205,7 +205,7 @@ def test_failed_write_keeps_the_old_entry_and_no_temporary_file(tmp_path, plan, 
 
 
 def _valid_entry(key, plan) -> dict:
-    return {"kind": ENTRY_KIND, "schema_version": 1, "key": key.to_json(), "plan": plan.to_json(), "extra": {}}
+    return {"kind": ENTRY_KIND, "schema_version": ENTRY_SCHEMA_VERSION, "key": key.to_json(), "plan": plan.to_json(), "extra": {}}
 
 
 def _with(d: dict, **changes) -> dict:
@@ -220,7 +220,7 @@ BAD_ENTRIES = {
     "a list": (lambda e: b"[1, 2]", "not a plan cache entry"),
     "a bare plan": (lambda e: json.dumps(e["plan"]).encode(), "not a plan cache entry"),
     "wrong kind": (lambda e: json.dumps(_with(e, kind="something.else")).encode(), "not a plan cache entry"),
-    "newer schema": (lambda e: json.dumps(_with(e, schema_version=2)).encode(), "schema version 2 is not supported"),
+    "newer schema": (lambda e: json.dumps(_with(e, schema_version=9)).encode(), "schema version 9 is not supported"),
     "no schema": (lambda e: json.dumps({k: v for k, v in e.items() if k != "schema_version"}).encode(),
                   "schema version None is not supported"),
     "no key": (lambda e: json.dumps({k: v for k, v in e.items() if k != "key"}).encode(), "malformed key"),
