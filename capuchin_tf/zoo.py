@@ -105,20 +105,23 @@ _CUSTOM: dict[str, tuple[int, str, bool]] = {
     "masked-transformer": (32, "2-layer encoder (hidden 64, 4 heads) over padded tokens: Embedding(mask_zero) and "
                                "an explicit attention mask, MultiHeadAttention, LayerNormalization, dropout, "
                                "masked mean pooling, 10 classes, Adam", False),
-    "mixed-float16": (64, "small CNN @32x32 under mixed_float16 with keras.optimizers.LossScaleOptimizer(SGD) "
-                          "(its update in a cond on finite gradients; scale_loss in the step)", True),
-    "mixed-bfloat16": (64, "small CNN @32x32 under mixed_bfloat16, Adam", False),
-    "clip-global-norm": (128, "small CNN @32x32, tf.clip_by_global_norm(grads, 0.5), SGD momentum", True),
-    "grad-accum": (128, "small CNN @32x32, gradients summed into variables and applied in a tf.cond every 2 steps "
-                       "(then zeroed), SGD", True),
-    "gan": (128, "DCGAN-style generator (noise 32 -> 16x16x3, Conv2DTranspose, BatchNorm) and discriminator, two "
-                "Adam optimizers in one step; returns d_loss + g_loss", True),
-    "random-generator": (128, "small CNN @32x32 with tf.random.Generator noise added to its inputs, SGD", True),
-    "dropout": (128, "small CNN @32x32 with Dropout, SpatialDropout2D and GaussianNoise, SGD", True),
-    "finite-guard": (128, "small CNN @32x32 whose step applies the update in a user's tf.cond on a finite loss, "
-                         "SGD momentum", True),
+    "mixed-float16": (2048, "MLP (784-512x8-10) under mixed_float16 with keras.optimizers.LossScaleOptimizer(SGD) "
+                            "(its update in a cond on finite gradients; scale_loss in the step)", True),
+    "mixed-bfloat16": (2048, "MLP (784-512x8-10) under mixed_bfloat16, Adam", False),
+    "clip-global-norm": (2048, "MLP (784-512x8-10), tf.clip_by_global_norm(grads, 0.5), SGD momentum", True),
+    "grad-accum": (2048, "MLP (784-512x8-10), gradients summed into variables and applied in a tf.cond every 2 steps "
+                         "(then zeroed), SGD", True),
+    "gan": (2048, "MLP GAN: generator 64-256-512-784 (tanh, BatchNorm) and discriminator 784-512-256-1, two Adam "
+                  "optimizers in one step; returns d_loss + g_loss", True),
+    "random-generator": (2048, "MLP (784-512x8-10) with tf.random.Generator noise added to its inputs, SGD", True),
+    "dropout": (2048, "MLP (784-512x8-10) with GaussianNoise and Dropout after every layer, SGD", True),
+    "finite-guard": (2048, "MLP (784-512x8-10) whose step applies the update in a user's tf.cond on a finite loss, "
+                           "SGD momentum", True),
+    "cnn-dropout": (128, "small CNN @32x32 with Dropout, SpatialDropout2D and GaussianNoise, SGD", False),
+    "cnn-mixed-float16": (64, "small CNN @32x32 under mixed_float16 with LossScaleOptimizer(SGD)", False),
 }
 
+_LAYER_MODELS = ("lstm", "gru", "bilstm", "conv1d", "conv3d", "masked-transformer")
 _CI_APPLICATIONS = ("mobilenetv3small", "mobilenetv2")
 
 # The benchmark tiers (capuchin_tf.models), at the batches the project measures them.
@@ -135,8 +138,7 @@ def _cases() -> dict[str, Case]:
                                  f"keras.applications.{cls} @{size}x{size}, {classes} classes, {_OPTIMIZERS[opt]}",
                                  ci=key in _CI_APPLICATIONS)
     for key, (batch, description, ci) in _CUSTOM.items():
-        group = "setups" if key in ("mixed-float16", "mixed-bfloat16", "clip-global-norm", "grad-accum", "gan",
-                                    "random-generator", "dropout", "finite-guard") else "layers"
+        group = "layers" if key in _LAYER_MODELS else "setups"
         out[PREFIX + key] = Case(PREFIX + key, batch, group, description, ci=ci)
     for name, batch in _TIERS.items():
         out[name] = Case(name, batch, "tiers", f"benchmark tier model {name!r} (capuchin_tf.models)",
@@ -444,6 +446,37 @@ def _masked_transformer(batch: int, seed: int) -> _Spec:
 
 
 # ---- training set-ups ---------------------------------------------------------------------------------------------
+# Most run on an MLP: its largest op reads and writes a few MiB while a step keeps dozens, so half the transient peak
+# is well above what any one op needs (a small CNN's convolution gradients need 20-30 MiB of workspace each, too close
+# to half its transient peak at batches that run in seconds). cnn-dropout and cnn-mixed-float16 keep the CNN.
+MLP_DEPTH, MLP_WIDTH = 8, 512
+
+
+def _mlp_net(dropout: bool = False, name: str = "mlp"):
+    """784 - 512 x 8 (relu) - 10 logits (float32 under mixed precision); optionally GaussianNoise and Dropout."""
+    import keras
+
+    inp = keras.Input((784,), name="features")
+    x = inp
+    if dropout:
+        x = keras.layers.GaussianNoise(0.1, name="noise")(x)
+    for i in range(MLP_DEPTH):
+        x = keras.layers.Dense(MLP_WIDTH, activation="relu", name=f"dense_{i + 1}")(x)
+        if dropout:
+            x = keras.layers.Dropout(0.2, name=f"dropout_{i + 1}")(x)
+    out = keras.layers.Dense(10, dtype="float32", name="logits")(x)
+    return keras.Model(inp, out, name=name)
+
+
+def _mlp_data(batch: int, seed: int) -> dict:
+    import tensorflow as tf
+
+    from capuchin_tf import models
+
+    return {"features": tf.random.stateless_normal((batch, 784), models._data_seed(seed, 1)),
+            "labels": models._class_labels(batch, 10, seed)}
+
+
 def _with_policy(policy: str, make: Callable):
     import keras
 
@@ -455,55 +488,63 @@ def _with_policy(policy: str, make: Callable):
         keras.config.set_dtype_policy(previous)
 
 
-def _mixed_float16(batch: int, seed: int) -> _Spec:
+def _loss_scaled(model, data: dict) -> _Spec:
+    """mixed_float16's recipe: LossScaleOptimizer, the loss scaled in the step, the update unscaled by apply."""
     import keras
     import tensorflow as tf
 
-    model = _with_policy("mixed_float16", _small_cnn)
     optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01))
     trainable = list(model.trainable_variables)
     optimizer.build(trainable)
 
-    def step(images, labels):
+    def step(x, labels):
         with tf.GradientTape() as tape:
-            loss = _ce(labels, model(images, training=True))
+            loss = _ce(labels, model(x, training=True))
             scaled = optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, trainable)
         optimizer.apply_gradients(zip(grads, trainable))  # unscales; applies only when every gradient is finite
         return loss
 
-    return _Spec(model, optimizer, _image_data(batch, seed), step, _model_groups(model, optimizer))
+    return _Spec(model, optimizer, data, step, _model_groups(model, optimizer))
+
+
+def _mixed_float16(batch: int, seed: int) -> _Spec:
+    return _loss_scaled(_with_policy("mixed_float16", _mlp_net), _mlp_data(batch, seed))
+
+
+def _cnn_mixed_float16(batch: int, seed: int) -> _Spec:
+    return _loss_scaled(_with_policy("mixed_float16", _small_cnn), _image_data(batch, seed))
 
 
 def _mixed_bfloat16(batch: int, seed: int) -> _Spec:
     import keras
 
-    model = _with_policy("mixed_bfloat16", _small_cnn)
+    model = _with_policy("mixed_bfloat16", _mlp_net)
 
-    def loss_fn(images, labels):
-        return _ce(labels, model(images, training=True))
+    def loss_fn(features, labels):
+        return _ce(labels, model(features, training=True))
 
-    return _standard(model, keras.optimizers.Adam(1e-3), _image_data(batch, seed), loss_fn)
+    return _standard(model, keras.optimizers.Adam(1e-3), _mlp_data(batch, seed), loss_fn)
 
 
 def _clip_global_norm(batch: int, seed: int) -> _Spec:
     import keras
     import tensorflow as tf
 
-    model = _small_cnn()
+    model = _mlp_net()
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
     trainable = list(model.trainable_variables)
     optimizer.build(trainable)
 
-    def step(images, labels):
+    def step(x, labels):
         with tf.GradientTape() as tape:
-            loss = _ce(labels, model(images, training=True))
+            loss = _ce(labels, model(x, training=True))
         grads = tape.gradient(loss, trainable)
         grads, _ = tf.clip_by_global_norm(grads, 0.5)
         optimizer.apply_gradients(zip(grads, trainable))
         return loss
 
-    return _Spec(model, optimizer, _image_data(batch, seed), step, _model_groups(model, optimizer))
+    return _Spec(model, optimizer, _mlp_data(batch, seed), step, _model_groups(model, optimizer))
 
 
 ACCUMULATION_STEPS = 2
@@ -513,7 +554,7 @@ def _grad_accum(batch: int, seed: int) -> _Spec:
     import keras
     import tensorflow as tf
 
-    model = _small_cnn()
+    model = _mlp_net()
     optimizer = keras.optimizers.SGD(0.01)
     trainable = list(model.trainable_variables)
     optimizer.build(trainable)
@@ -521,9 +562,9 @@ def _grad_accum(batch: int, seed: int) -> _Spec:
                     for i, v in enumerate(trainable)]
     micro_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="micro_steps")
 
-    def step(images, labels):
+    def step(x, labels):
         with tf.GradientTape() as tape:
-            loss = _ce(labels, model(images, training=True))
+            loss = _ce(labels, model(x, training=True))
         grads = tape.gradient(loss, trainable)
         for a, g in zip(accumulators, grads):
             a.assign_add(g)
@@ -539,29 +580,27 @@ def _grad_accum(batch: int, seed: int) -> _Spec:
         return loss
 
     groups = _model_groups(model, optimizer) + [(accumulators + [micro_steps], "accumulator")]
-    return _Spec(model, optimizer, _image_data(batch, seed), step, groups)
+    return _Spec(model, optimizer, _mlp_data(batch, seed), step, groups)
 
 
 def _gan(batch: int, seed: int) -> _Spec:
     import keras
     import tensorflow as tf
 
-    from capuchin_tf import models
-
-    noise_dim = 32
+    noise_dim = 64
     z = keras.Input((noise_dim,), name="noise")
-    g = keras.layers.Dense(8 * 8 * 64, use_bias=False, name="g_dense")(z)
-    g = keras.layers.BatchNormalization(name="g_bn1")(g)
-    g = keras.layers.LeakyReLU(0.2)(keras.layers.Reshape((8, 8, 64))(g))
-    g = keras.layers.Conv2DTranspose(32, 4, strides=2, padding="same", use_bias=False, name="g_deconv")(g)
-    g = keras.layers.LeakyReLU(0.2)(keras.layers.BatchNormalization(name="g_bn2")(g))
-    g = keras.layers.Conv2D(3, 3, padding="same", activation="tanh", name="g_out")(g)
+    g = z
+    for i, units in enumerate((256, 512), start=1):
+        g = keras.layers.Dense(units, use_bias=False, name=f"g_dense{i}")(g)
+        g = keras.layers.LeakyReLU(0.2)(keras.layers.BatchNormalization(name=f"g_bn{i}")(g))
+    g = keras.layers.Dense(784, activation="tanh", name="g_out")(g)
     generator = keras.Model(z, g, name="generator")
-    img = keras.Input((16, 16, 3), name="image")
-    d = keras.layers.LeakyReLU(0.2)(keras.layers.Conv2D(32, 3, strides=2, padding="same", name="d_conv1")(img))
-    d = keras.layers.LeakyReLU(0.2)(keras.layers.Conv2D(64, 3, strides=2, padding="same", name="d_conv2")(d))
-    d = keras.layers.Dense(1, name="d_logit")(keras.layers.Flatten()(d))
-    discriminator = keras.Model(img, d, name="discriminator")
+    sample = keras.Input((784,), name="sample")
+    d = sample
+    for i, units in enumerate((512, 256), start=1):
+        d = keras.layers.LeakyReLU(0.2)(keras.layers.Dense(units, name=f"d_dense{i}")(d))
+    d = keras.layers.Dense(1, name="d_logit")(d)
+    discriminator = keras.Model(sample, d, name="discriminator")
     g_opt = keras.optimizers.Adam(2e-4, beta_1=0.5)
     d_opt = keras.optimizers.Adam(2e-4, beta_1=0.5)
     g_vars, d_vars = list(generator.trainable_variables), list(discriminator.trainable_variables)
@@ -585,7 +624,9 @@ def _gan(batch: int, seed: int) -> _Spec:
         g_opt.apply_gradients(zip(g_grads, g_vars))
         return d_loss + g_loss
 
-    data = {"real": models._images(batch, 16, seed),
+    from capuchin_tf import models
+
+    data = {"real": tf.random.stateless_uniform((batch, 784), models._data_seed(seed, 1), minval=-1.0, maxval=1.0),
             "noise": tf.random.stateless_normal((batch, noise_dim), models._data_seed(seed, 15))}
     groups = _model_groups(generator, g_opt) + _model_groups(discriminator, d_opt)
     return _Spec(generator, g_opt, data, step, groups, models=[generator, discriminator], optimizers=[g_opt, d_opt])
@@ -595,17 +636,28 @@ def _random_generator(batch: int, seed: int) -> _Spec:
     import keras
     import tensorflow as tf
 
-    model = _small_cnn()
+    model = _mlp_net()
     rng = tf.random.Generator.from_seed(seed + 7)
 
-    def loss_fn(images, labels):
-        noisy = images + rng.normal(images.shape, stddev=0.1)
+    def loss_fn(features, labels):
+        noisy = features + rng.normal(features.shape, stddev=0.1)
         return _ce(labels, model(noisy, training=True))
 
-    return _standard(model, keras.optimizers.SGD(0.01), _image_data(batch, seed), loss_fn, [([rng.state], "rng")])
+    return _standard(model, keras.optimizers.SGD(0.01), _mlp_data(batch, seed), loss_fn, [([rng.state], "rng")])
 
 
 def _dropout(batch: int, seed: int) -> _Spec:
+    import keras
+
+    model = _mlp_net(dropout=True)
+
+    def loss_fn(features, labels):
+        return _ce(labels, model(features, training=True))
+
+    return _standard(model, keras.optimizers.SGD(0.01), _mlp_data(batch, seed), loss_fn)
+
+
+def _cnn_dropout(batch: int, seed: int) -> _Spec:
     import keras
 
     model = _small_cnn(dropout=True)
@@ -620,14 +672,14 @@ def _finite_guard(batch: int, seed: int) -> _Spec:
     import keras
     import tensorflow as tf
 
-    model = _small_cnn()
+    model = _mlp_net()
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
     trainable = list(model.trainable_variables)
     optimizer.build(trainable)
 
-    def step(images, labels):
+    def step(x, labels):
         with tf.GradientTape() as tape:
-            loss = _ce(labels, model(images, training=True))
+            loss = _ce(labels, model(x, training=True))
         grads = tape.gradient(loss, trainable)
 
         def apply():
@@ -637,7 +689,7 @@ def _finite_guard(batch: int, seed: int) -> _Spec:
         tf.cond(tf.math.is_finite(loss), apply, lambda: tf.constant(False))  # skip a step whose loss is inf/nan
         return loss
 
-    return _Spec(model, optimizer, _image_data(batch, seed), step, _model_groups(model, optimizer))
+    return _Spec(model, optimizer, _mlp_data(batch, seed), step, _model_groups(model, optimizer))
 
 
 _BUILDERS: dict[str, Callable[[int, int], _Spec]] = {
@@ -645,6 +697,7 @@ _BUILDERS: dict[str, Callable[[int, int], _Spec]] = {
     "masked-transformer": _masked_transformer, "mixed-float16": _mixed_float16, "mixed-bfloat16": _mixed_bfloat16,
     "clip-global-norm": _clip_global_norm, "grad-accum": _grad_accum, "gan": _gan,
     "random-generator": _random_generator, "dropout": _dropout, "finite-guard": _finite_guard,
+    "cnn-dropout": _cnn_dropout, "cnn-mixed-float16": _cnn_mixed_float16,
 }
 assert set(_BUILDERS) == set(_CUSTOM)
 
@@ -744,11 +797,16 @@ def refusal_warnings(run: dict) -> list[str]:
     return sorted(warned, key=lambda w: "plain TensorFlow" not in w)
 
 
+# What capuchin_tf says when the budget is below what the step can ever need (runtime.BudgetError raised before
+# anything runs; before it, the passive-mode failure).
+_FLOOR_MESSAGES = ("is below what this step needs at once", "even in passive mode")
+
+
 def classify(run: dict, plain: dict, budget_bytes: int) -> tuple[str, str]:
     """(outcome, reason) of a decorated run against the plain run, for a budget of `budget_bytes` (docs/zoo.md).
 
     mismatch: the losses so far or (when it completed) the variables differ from plain TensorFlow's;
-    floor: capuchin_tf said that even passive mode cannot fit what must be on the device at once;
+    floor: capuchin_tf said the budget is below what the step can ever need (_FLOOR_MESSAGES);
     refused: a capuchin_tf warning named why the step runs as plain TensorFlow, every step after the first is
         'plain' (and then either bit for bit, or out of memory in that plain step);
     crash: any other error (including a timeout or a dead process);
@@ -770,7 +828,7 @@ def classify(run: dict, plain: dict, budget_bytes: int) -> tuple[str, str]:
         "measured", "plain")
     if not run.get("ok"):
         text = _error_text(run)
-        if "even in passive mode" in text:
+        if any(m in text for m in _FLOOR_MESSAGES):
             return "floor", text
         if warned and plain_after_first and _is_oom(run):
             return "refused", f"{warned[0]}; the plain step then ran out of memory"

@@ -48,6 +48,13 @@ def run(**changes):
     ({"ok": False, "phases": [], "losses_hex": [],
       "capuchin_error": "capuchin_tf: out of memory under a budget of 1 bytes even in passive mode (what must ...)"},
      "floor", "even in passive mode"),
+    ({"ok": False, "phases": [], "losses_hex": [], "error_type": "BudgetError",
+      "capuchin_error": "capuchin_tf: a memory budget of 40.0 MiB is below what this step needs at once: op 'x'"},
+     "floor", "below what this step needs"),
+    ({"ok": False, "phases": [], "losses_hex": [], "error_type": "BudgetError",
+      "capuchin_error": "capuchin_tf: the measured step ran out of memory twice under a budget of 46.0 MiB (...). "
+                        "The step needs at least 35.1 MiB"},
+     "crash", "ran out of memory twice"),
     ({"ok": False, "phases": [], "losses_hex": [], "error": "ResourceExhaustedError: OOM when allocating tensor",
       "error_traceback": "Detected at node gradient_tape/conv/Conv2DBackpropFilter defined at\n"
                          " [Op:__inference_capuchin_passive_step_1900]"},
