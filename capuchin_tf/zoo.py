@@ -100,8 +100,8 @@ _CUSTOM: dict[str, tuple[int, str, bool]] = {
     "bilstm": (32, "Bidirectional(LSTM(128), return_sequences) + mean over time, 64 steps of 32 features, 10 "
                    "classes, Adam", False),
     "conv1d": (128, "Conv1D stack over 256 steps of 8 channels, global max pool, 10 classes, SGD", False),
-    "conv3d": (8, "Conv3D stack (8, 16, 16 filters) over a 16x16x16x1 volume, global average pool, 10 classes, "
-                  "SGD", False),
+    "conv3d": (16, "Conv3D stack (8, 16, 16 filters) over a 24x24x24x1 volume, global average pool, 10 classes, "
+                   "SGD", False),
     "masked-transformer": (32, "2-layer encoder (hidden 64, 4 heads) over padded tokens: Embedding(mask_zero) and "
                                "an explicit attention mask, MultiHeadAttention, LayerNormalization, dropout, "
                                "masked mean pooling, 10 classes, Adam", False),
@@ -379,14 +379,14 @@ def _conv3d(batch: int, seed: int) -> _Spec:
 
     from capuchin_tf import models
 
-    inp = keras.Input((16, 16, 16, 1), name="volumes")
+    inp = keras.Input((24, 24, 24, 1), name="volumes")
     x = keras.layers.Conv3D(8, 3, padding="same", activation="relu", name="conv1")(inp)
     x = keras.layers.Conv3D(16, 3, strides=2, padding="same", activation="relu", name="conv2")(x)
     x = keras.layers.Conv3D(16, 3, padding="same", activation="relu", name="conv3")(x)
     x = keras.layers.GlobalAveragePooling3D(name="gap")(x)
     out = keras.layers.Dense(10, name="logits")(x)
     model = keras.Model(inp, out, name="conv3d")
-    data = {"volumes": tf.random.stateless_normal((batch, 16, 16, 16, 1), models._data_seed(seed, 12)),
+    data = {"volumes": tf.random.stateless_normal((batch, 24, 24, 24, 1), models._data_seed(seed, 12)),
             "labels": models._class_labels(batch, 10, seed)}
 
     def loss_fn(volumes, labels):
@@ -957,10 +957,10 @@ def write_markdown(path: str | pathlib.Path, data: dict) -> None:
 # The harness: each run a `bench-worker` in a fresh process.
 
 RUN_KEYS = ("ok", "error", "error_type", "capuchin_error", "capuchin_warnings", "phases", "peak_bytes",
-            "guided_peak_bytes", "persistent_bytes", "step_peak_bytes", "losses_hex", "variables_sha256", "step_s", "median_step_s",
-            "late_prefetches", "retries", "budget_mb", "device_mb", "device_limit_bytes", "swapped_tensors",
-            "swapped_bytes", "recomputed_tensors", "recomputed_bytes", "replans", "fallback_reason", "wall_s",
-            "error_traceback")
+            "guided_peak_bytes", "persistent_bytes", "step_peak_bytes", "losses_hex", "variables_sha256", "step_s",
+            "median_step_s", "late_prefetches", "retries", "budget_mb", "device_mb", "device_limit_bytes",
+            "swapped_tensors", "swapped_bytes", "recomputed_tensors", "recomputed_bytes", "replans",
+            "fallback_reason", "wall_s", "error_traceback")
 
 
 def git_commit(repo: str | pathlib.Path | None = None) -> str:
