@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import weakref
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, op_def_pb2
@@ -121,7 +122,7 @@ def _pick_graph(metadata, func_graph) -> graph_pb2.GraphDef:
     return max(graphs, key=lambda g: sum(n.name in names for n in g.node))
 
 
-def _num_outputs(node, op_def) -> int:
+def num_outputs(node, op_def) -> int:
     n = 0
     for arg in op_def.output_arg:
         if arg.number_attr:
@@ -167,11 +168,47 @@ def _role(node_name: str, op_type: str, optimizer_scopes: tuple[str, ...]) -> Ro
     return Role.FORWARD
 
 
+# A node capuchin_tf inserts carries, per output, the tensor of the original graph whose value (hence dtype and static
+# shape) that output has: a recomputation's clones and views their originals, a Get or a SwapIn the tensor it holds.
+MIRRORS_ATTR = "_capuchin_mirrors"
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticTensor:
+    dtype: tf.DType
+    shape: tf.TensorShape
+
+
+_STATIC: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _static_of(func_graph) -> dict[str, StaticTensor]:
+    """Every tensor of `func_graph` by name, read once per graph (reading them one by one through the graph's API
+    costs more than the rest of a pass over a large graph)."""
+    table = _STATIC.get(func_graph)
+    if table is None:
+        table = {t.name: StaticTensor(t.dtype, t.shape) for op in func_graph.get_operations() for t in op.outputs}
+        _STATIC[func_graph] = table
+    return table
+
+
+def static_tensor(func_graph, node, slot: int) -> StaticTensor | None:
+    """The dtype and static shape of output `slot` of `node` (a NodeDef of the graph `func_graph` was imported from,
+    or of an edited copy of it), None if unknown. Nodes capuchin_tf inserted are found through their MIRRORS_ATTR,
+    so an edited graph needs no import of its own."""
+    table = _static_of(func_graph)
+    found = table.get(f"{node.name}:{slot}")
+    if found is not None:
+        return found
+    mirrors = node.attr[MIRRORS_ATTR].list.s if MIRRORS_ATTR in node.attr else []
+    return table.get(mirrors[slot].decode()) if slot < len(mirrors) else None
+
+
 def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
                 optimizer_scopes: tuple[str, ...] = ("sgd/", "adam/", "adamw/", "rmsprop/", "optimizer/")
                 ) -> GraphModel:
-    """The GraphModel of a post-optimization GraphDef. `func_graph` (the captured FuncGraph) supplies static shapes
-    for the nodes that kept their names (Grappler keeps names; a fused node is named after its last op)."""
+    """The GraphModel of a post-optimization GraphDef, edited or not. `func_graph` (the optimized graph imported,
+    `rewrite.rebuild(...).graph`) supplies static shapes (`static_tensor`)."""
     nodes = list(graph_def.node)
     consumers: dict[str, list[str]] = {}
     for node in nodes:
@@ -186,29 +223,22 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
         op_def = op_def_registry.get(node.op)
         stateful = bool(op_def.is_stateful) if op_def is not None else True
         if op_def is not None:
-            n_out = _num_outputs(node, op_def)
+            n_out = num_outputs(node, op_def)
             dtypes = _output_dtypes(node, op_def)
         else:  # an op this process does not know: keep what its consumers tell
             slots = [int(t.rsplit(":", 1)[1]) for t in consumers if t.rsplit(":", 1)[0] == node.name]
             n_out = max(slots) + 1 if slots else 0
             dtypes = ["unknown"] * n_out
-        graph_op = None
-        if func_graph is not None:
-            try:
-                graph_op = func_graph.get_operation_by_name(node.name)
-            except (KeyError, ValueError):
-                graph_op = None
         outputs = []
         for slot in range(n_out):
             tid = tensor_id(node.name, slot)
             shape, nbytes = None, -1
-            if graph_op is not None and slot < len(graph_op.outputs):
-                static = graph_op.outputs[slot].shape
-                if static.rank is not None:
-                    shape = tuple(-1 if d is None else int(d) for d in static.as_list())
-                    dtype = graph_op.outputs[slot].dtype
-                    if static.is_fully_defined() and dtype.is_numpy_compatible and dtype != tf.string:
-                        nbytes = int(static.num_elements()) * dtype.size
+            static = static_tensor(func_graph, node, slot) if func_graph is not None else None
+            if static is not None and static.shape.rank is not None:
+                shape = tuple(-1 if d is None else int(d) for d in static.shape.as_list())
+                dtype = static.dtype
+                if static.shape.is_fully_defined() and dtype.is_numpy_compatible and dtype != tf.string:
+                    nbytes = int(static.shape.num_elements()) * dtype.size
             tensors.append(TensorInfo(
                 id=tid, op=node.name, dtype=dtypes[slot] if slot < len(dtypes) else "unknown", shape=shape,
                 nbytes=nbytes, consumers=tuple(consumers.get(tid, ())),

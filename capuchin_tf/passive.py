@@ -40,7 +40,8 @@ class PooledRead:
     gates: tuple[str, ...]
 
 
-def hold_plan(graph: GraphModel, min_bytes: int = MIN_HOLD_BYTES) -> dict[str, list[PooledRead]]:
+def hold_plan(graph: GraphModel, min_bytes: int = MIN_HOLD_BYTES,
+              order: list[str] | None = None) -> dict[str, list[PooledRead]]:
     """Tensor id -> its far readers, each with the gate of its Get.
 
     Held: transient tensors of a swappable dtype and at least `min_bytes` that capuchin_tf may manage (made and read
@@ -53,8 +54,10 @@ def hold_plan(graph: GraphModel, min_bytes: int = MIN_HOLD_BYTES) -> dict[str, l
     that reads only forward tensors runs in the forward pass; a ReadVariableOp, at the start), and a Get gated on it
     alone brought its tensor back there and kept it on the device from then on (the transformer's GELU input, gated on
     the GELU derivative's Square, sat across the masked-LM head and split its free memory).
+    `order`: the schedule estimate (`schedule_order(graph)`), if already computed.
     """
-    order = schedule_order(graph)
+    if order is None:
+        order = schedule_order(graph)
     pos = {name: i for i, name in enumerate(order)}
     produced = produced_bytes(graph, order)
     # The op before each op in the estimate among the ops that always run (only they may gate: control_flow.py).

@@ -20,9 +20,9 @@ import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from capuchin_tf import capture, ops, rewrite
-from capuchin_tf.graph_model import fold_views
+from capuchin_tf.graph_model import fold_views, split_tensor_id
 from capuchin_tf.passive import MEASURED_MIN_HOLD_BYTES, MIN_HOLD_BYTES, hold_plan
-from capuchin_tf.schedule import deferral_gates
+from capuchin_tf.schedule import deferral_gates, schedule_order
 from capuchin_tf.trace import AccessTrace
 from capuchin_tf.tracing import KernelEvent, MemoryEvent, assemble_trace, fold_pool_ops
 
@@ -91,12 +91,21 @@ def input_shapes(args) -> list:
     return [t.shape for t in tf.nest.flatten(args, expand_composites=True) if isinstance(t, (tf.Tensor, tf.Variable))]
 
 
-def passive_graph(concrete, args, optimized=None):
+def shapes_graph(concrete, optimized, args):
+    """The optimized graph imported with the call's input shapes: the static shape of every tensor of it, and of
+    every node capuchin_tf inserts into it later (capture.static_tensor)."""
+    return rewrite.rebuild(concrete, optimized, name="capuchin_shapes", input_shapes=input_shapes(args)).graph
+
+
+def passive_graph(concrete, args, optimized=None, shaped=None):
     """The GraphDef of the step with passive mode's tensor pool: its optimized graph (obtained without running it,
-    unless given) with every tensor that waits while memory is allocated handed to the pool (see `pooled`)."""
+    unless given) with every tensor that waits while memory is allocated handed to the pool (see `pooled`).
+    `shaped`: `shapes_graph` of the optimized graph, if already made."""
     if optimized is None:
         optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
-    return pooled(concrete, optimized, min_bytes=MEASURED_MIN_HOLD_BYTES, defer=True, shapes_of=args)
+    if shaped is None:
+        shaped = shapes_graph(concrete, optimized, args)
+    return pooled(optimized, shaped, min_bytes=MEASURED_MIN_HOLD_BYTES, defer=True)
 
 
 def passive_step(concrete, args, graph_def=None):
@@ -108,28 +117,29 @@ def passive_step(concrete, args, graph_def=None):
     return rewrite.rebuild(concrete, graph_def, name="capuchin_passive_step")
 
 
-def pooled(concrete, graph_def, min_bytes: int = MIN_HOLD_BYTES, defer: bool = False, shapes_of=None):
+def pooled(graph_def, shaped, min_bytes: int = MIN_HOLD_BYTES, defer: bool = False):
     """`graph_def` (the step's optimized graph, rewritten or not) with every tensor that waits while memory is
     allocated handed to the pool (passive.hold_plan, rewrite.insert_hold_get): under passive mode the allocator can
     evict any of them on demand. With `defer`, gradient ops ready long before they are needed first wait for the op
     before their first reader (schedule.deferral_gates): the measured step's order, which guided steps follow.
-    `shapes_of`: the call's arguments, whose shapes fill in what the function's input signature leaves open."""
-    # Static shapes of every tensor of the graph (Grappler's and capuchin_tf's new nodes included): imported as is.
-    shaped = rewrite.rebuild(concrete, graph_def, name="capuchin_shapes",
-                             input_shapes=None if shapes_of is None else input_shapes(shapes_of)).graph
+    `shaped`: `shapes_graph` of the optimized graph (static shapes, those of inserted nodes through their mirrors)."""
     if defer:
-        graph_def = rewrite.add_gates(graph_def, deferral_gates(capture.graph_model(graph_def, shaped)))
+        model = capture.graph_model(graph_def, shaped)
+        graph_def = rewrite.add_gates(graph_def, deferral_gates(model), order=schedule_order(model))
     graph = fold_views(capture.graph_model(graph_def, shaped))  # a far read through a Reshape is a far read
+    order = schedule_order(graph)
     # Tensors a plan swaps are the plan's: their swap-out must read them directly (through a Get it would run when
     # the Get's gate says, and the pool would keep the tensor on the device until then).
-    plan = {tid: reads for tid, reads in hold_plan(graph, min_bytes=min_bytes).items()
+    plan = {tid: reads for tid, reads in hold_plan(graph, min_bytes=min_bytes, order=order).items()
             if not any(graph.ops[c].type == "Capuchin>SwapOut" for c in graph.tensors[tid].consumers)}
     dtypes, shapes = {}, {}
+    nodes = {n.name: n for n in graph_def.node}
     for tid in plan:
-        t = shaped.get_tensor_by_name(tid)
+        op, slot = split_tensor_id(tid)
+        t = capture.static_tensor(shaped, nodes[op], slot)
         dtypes[tid] = t.dtype.name
         shapes[tid] = None if t.shape.rank is None else tuple(-1 if d is None else d for d in t.shape.as_list())
-    return rewrite.insert_hold_get(graph_def, plan, dtypes, shapes)
+    return rewrite.insert_hold_get(graph_def, plan, dtypes, shapes, order=order)
 
 
 def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None = None, meta: dict | None = None,

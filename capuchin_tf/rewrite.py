@@ -24,10 +24,11 @@ from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
 from tensorflow.python.framework import func_graph as func_graph_module
+from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import importer
 from tensorflow.python.util import nest
 
-from capuchin_tf import control_flow
+from capuchin_tf import capture, control_flow
 from capuchin_tf.graph_model import VIEW_OPS, split_tensor_id, view_input
 from capuchin_tf.schedule import guided_order
 
@@ -184,15 +185,20 @@ class GraphEditor:
     def always_runs(self, name: str) -> bool:
         return self._always.get(name, False)
 
-    def add_node(self, name: str, op: str, inputs: Sequence[str], device: str) -> node_def_pb2.NodeDef:
-        """A new node reading `inputs` (data inputs as refs); it runs whenever they are all computed."""
+    def add_node(self, name: str, op: str, inputs: Sequence[str], device: str,
+                 mirrors: Sequence[str] = ()) -> node_def_pb2.NodeDef:
+        """A new node reading `inputs` (data inputs as refs); it runs whenever they are all computed. `mirrors`: per
+        output, the tensor whose value it has (capture.MIRRORS_ATTR)."""
         if name in self.nodes:
             raise RewriteError(f"the rewrite would insert {name!r} twice")
         node = self.graph.node.add(name=name, op=op, input=list(inputs), device=device)
+        if mirrors:
+            node.attr[capture.MIRRORS_ATTR].list.s.extend(m.encode() for m in mirrors)
         return self._register(node)
 
     def add_copy(self, original: node_def_pb2.NodeDef, name: str, inputs: Sequence[str]) -> node_def_pb2.NodeDef:
-        """A clone of `original` (attributes and device) named `name`, reading `inputs` (data inputs only)."""
+        """A clone of `original` (attributes and device) named `name`, reading `inputs` (data inputs only); its
+        outputs mirror the original's (capture.MIRRORS_ATTR)."""
         if name in self.nodes:
             raise RewriteError(f"the rewrite would insert {name!r} twice")
         node = self.graph.node.add()
@@ -200,6 +206,9 @@ class GraphEditor:
         node.name = name
         del node.input[:]
         node.input.extend(inputs)
+        if capture.MIRRORS_ATTR not in original.attr:
+            n_out = max(_num_outputs(original), 1)
+            node.attr[capture.MIRRORS_ATTR].list.s[:] = [f"{original.name}:{k}".encode() for k in range(n_out)]
         return self._register(node)
 
     def _register(self, node: node_def_pb2.NodeDef) -> node_def_pb2.NodeDef:
@@ -236,7 +245,7 @@ class GraphEditor:
 
 
 def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence], dtypes: Mapping[str, str],
-                    shapes: Mapping[str, tuple | None], editor: GraphEditor | None = None) -> graph_pb2.GraphDef:
+                    shapes: Mapping[str, tuple | None], order: Sequence[str] | None = None) -> graph_pb2.GraphDef:
     r"""Hands each tensor of `plan` (passive.hold_plan) to the pool right after it is produced; each of its far
     readers reads it through its own Get, which runs only after that read's gates.
 
@@ -246,10 +255,11 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence],
                   ^ u                                                 ^ (ctrl: gates, e.g. u's producer)
     Once F has run, the pool holds t's only reference: passive mode can evict it, and the Get brings it back.
     `dtypes`/`shapes`: the tensor's dtype name and static shape (None or -1 entries where unknown). Gates that may
-    not run or would close a cycle are left out (GraphEditor.add_control).
+    not run or would close a cycle are left out (GraphEditor.add_control). `order`: the order the gates were chosen
+    in (passive.hold_plan's estimate), where they cost least to check.
     Inserted nodes: `capuchin/hold/<tensor>`, `capuchin/get/<tensor>/<k>`, on the producer's device.
     """
-    ed = editor or GraphEditor(graph_def)
+    ed = GraphEditor(graph_def, order=order)
     for tid, reads in plan.items():
         op, slot = split_tensor_id(tid)
         base = f"capuchin/hold/{safe_name(tid)}"
@@ -259,7 +269,8 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence],
         hold.attr["tensor_name"].CopyFrom(attr_value_pb2.AttrValue(s=tid.encode()))
         shape = shapes.get(tid)
         for k, read in enumerate(reads):
-            get = ed.add_node(f"capuchin/get/{safe_name(tid)}/{k}", "Capuchin>Get", [base], device)
+            get = ed.add_node(f"capuchin/get/{safe_name(tid)}/{k}", "Capuchin>Get", [base], device,
+                              mirrors=[_mirror(ed, tid)])
             get.attr["dtype"].CopyFrom(_attr_type(dtypes[tid]))
             get.attr["shape"].CopyFrom(_attr_shape(None if shape is None else [None if d < 0 else d for d in shape]))
             _rewire(ed, ed.nodes[read.reader], tid, get.name, get.name)
@@ -268,7 +279,22 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence],
     return ed.graph
 
 
-def add_gates(graph_def: graph_pb2.GraphDef, gates: Mapping[str, Sequence[str]]) -> graph_pb2.GraphDef:
+def _mirror(ed: GraphEditor, tid: str) -> str:
+    """The original tensor whose value `tid` has (itself, unless made by a node capuchin_tf inserted)."""
+    op, slot = split_tensor_id(tid)
+    node = ed.nodes.get(op)
+    if node is not None and capture.MIRRORS_ATTR in node.attr and slot < len(node.attr[capture.MIRRORS_ATTR].list.s):
+        return node.attr[capture.MIRRORS_ATTR].list.s[slot].decode()
+    return tid
+
+
+def _num_outputs(node: node_def_pb2.NodeDef) -> int:
+    op_def = op_def_registry.get(node.op)
+    return capture.num_outputs(node, op_def) if op_def is not None else 1
+
+
+def add_gates(graph_def: graph_pb2.GraphDef, gates: Mapping[str, Sequence[str]],
+              order: Sequence[str] | None = None) -> graph_pb2.GraphDef:
     """`graph_def` with each op of `gates` waiting for its gates (control edges; schedule.deferral_gates), where
     GraphEditor.add_control allows:
 
@@ -276,7 +302,7 @@ def add_gates(graph_def: graph_pb2.GraphDef, gates: Mapping[str, Sequence[str]])
         X --> R        X --> R
                        ^ (ctrl: G)
     """
-    ed = GraphEditor(graph_def)
+    ed = GraphEditor(graph_def, order=order)
     for name, gs in gates.items():
         for gate in gs:
             ed.add_control(name, gate)
@@ -436,7 +462,8 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
             prefetch = ed.add_node(f"capuchin/prefetch/{key}", "Capuchin>Prefetch", [handle], producer.device)
             ed.add_control(prefetch.name, trigger)
             handle = prefetch.name
-        swap_in = ed.add_node(f"capuchin/swap_in/{key}", "Capuchin>SwapIn", [handle], producer.device)
+        swap_in = ed.add_node(f"capuchin/swap_in/{key}", "Capuchin>SwapIn", [handle], producer.device,
+                              mirrors=[_mirror(ed, tid)])
         swap_in.attr["dtype"].CopyFrom(_attr_type(dtypes[tid]))
         shape = shapes.get(tid)
         swap_in.attr["shape"].CopyFrom(_attr_shape(None if shape is None else [None if x < 0 else x for x in shape]))

@@ -71,6 +71,8 @@ TIGHTEN_PROBES = 3  # if no plan fits that budget: plans bisecting toward the cu
 NOTHING_TO_SAVE = 0.85
 CAPUCHIN_POLICIES = frozenset({"capuchin", "swap-only", "recompute-only"})
 MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, after an out-of-memory error
+# Late prefetches re-plan only when their waits add up to this fraction of the step's time (ManagedStep._adjust).
+LATE_REPLAN_FRACTION = 0.05
 MAX_SIGNATURES = 8  # input signatures kept per step (each has its own measurement, plan and rewritten graph)
 
 # One managed step at a time in a process: the profiler, the allocator's passive mode and budget, the host store's
@@ -298,8 +300,7 @@ class ManagedStep:
             raise _Refusal(f"it writes a resource capuchin_tf cannot copy ({e})") from e
         state.writes = writes
         try:
-            state.shaped = rewrite.rebuild(concrete, state.optimized, name="capuchin_shapes",
-                                           input_shapes=profile.input_shapes(args)).graph
+            state.shaped = profile.shapes_graph(concrete, state.optimized, args)
         except rewrite.RewriteError as e:
             raise _Refusal(f"its optimized graph could not be imported ({e})") from e
         floor = working_set_floor(fold_views(capture.graph_model(state.optimized, state.shaped)))
@@ -384,7 +385,7 @@ class ManagedStep:
         try:
             meta = self._meta(state.concrete)
             if state.passive_def is None:
-                state.passive_def = profile.passive_graph(state.concrete, args, state.optimized)
+                state.passive_def = profile.passive_graph(state.concrete, args, state.optimized, state.shaped)
         except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
             self._refuse(state, f"its measured step could not be built ({type(e).__name__}: {e})")
             return self._plain(state, args)
@@ -516,7 +517,7 @@ class ManagedStep:
             # step: what the plan did not foresee (BFC fragmentation, a copy's timing) is evicted on demand instead
             # of failing the step. Capuchin's passive mode: the baselines run their plans alone.
             if self.safety_net:
-                graph_def = profile.pooled(state.concrete, graph_def, shapes_of=args)
+                graph_def = profile.pooled(graph_def, state.shaped)
             state.fn = rewrite.rebuild(state.concrete, graph_def, name="capuchin_guided_step")
             state.guided_def = graph_def
             return True
@@ -617,7 +618,7 @@ class ManagedStep:
                     state.speedup = speedup
                     self._device_model(state.trace, state)  # the emulated link follows
             if self.feedback and state.fallback_reason is None:
-                record.plan_changed = self._adjust(state, args, late, early, peak)
+                record.plan_changed = self._adjust(state, args, late, early, peak, seconds)
             state.steps_since_change = 0 if record.plan_changed or retried else state.steps_since_change + 1
             return outputs
 
@@ -627,7 +628,7 @@ class ManagedStep:
         restored before anything else (where it fails depends on BFC fragmentation, which varies from run to run)."""
         if state.passive_fn is None:
             if state.passive_def is None:
-                state.passive_def = profile.passive_graph(state.concrete, args, state.optimized)
+                state.passive_def = profile.passive_graph(state.concrete, args, state.optimized, state.shaped)
             state.passive_fn = profile.passive_step(state.concrete, args, state.passive_def)
         state.snapshot.take()
         tf.config.experimental.reset_memory_stats(DEVICE)
@@ -733,12 +734,17 @@ class ManagedStep:
             print("capuchin_tf: back to the plan of the last guided step that completed; late prefetches no longer "
                   "move triggers earlier", flush=True)
 
-    def _adjust(self, state: SignatureState, args, late: Mapping[str, float], early: list[str], peak: int) -> bool:
-        """Feedback after a guided step; True when the plan changed (and the step was rewritten)."""
+    def _adjust(self, state: SignatureState, args, late: Mapping[str, float], early: list[str], peak: int,
+                seconds: float) -> bool:
+        """Feedback after a guided step; True when the plan changed (and the step was rewritten). Late prefetches
+        move triggers only when their waits add up to LATE_REPLAN_FRACTION of the step: a new plan costs a rewrite
+        and a new instantiation of the step (seconds on a large graph), more than waits of microseconds save."""
         if state.plan is None or state.replans >= self.max_replans:
             return False
         if self.budget_bytes is not None and peak > self.budget_bytes and state.fn is not None:
             return self._tighten(state, args, reason=f"peak {peak} over the budget")
+        if sum(late.values()) < LATE_REPLAN_FRACTION * seconds:
+            late = {}
         if not late and not early:
             return False
         # A prefetch evicted again before its use came too early for the memory there: its trigger moves later
