@@ -183,9 +183,12 @@ def drain_access_records() -> dict[str, np.ndarray]:
 def allocator_stats(device: str = "/device:CPU:0") -> dict[str, int | bool]:
     """The device allocator's bytes in use, peak and limit (-1 if not tracked), whether capuchin_tf wraps it, the
     same three for the wrapper's small-tensor pool (-1 without one; the pool's region counts in the device's bytes in
-    use as one allocation), and the memory budget set by `set_memory_budget` (`budget_bytes`, 0: none)."""
+    use as one allocation), the memory budget set by `set_memory_budget` (`budget_bytes`, 0: none), and the last
+    allocation the wrapper could not satisfy (`refusals` so far; `refused_bytes`, the device's `refused_in_use` and
+    `refused_largest_free` chunk at that moment, `refused_op`)."""
     with tf.device(device):
-        in_use, peak, limit, wrapped, small_in_use, small_peak, small_limit, budget = _ops.capuchin_allocator_stats()
+        (in_use, peak, limit, wrapped, small_in_use, small_peak, small_limit, budget, refusals, refused_bytes,
+         refused_in_use, refused_largest_free, refused_op) = _ops.capuchin_allocator_stats()
     return {
         "bytes_in_use": int(in_use),
         "peak_bytes_in_use": int(peak),
@@ -195,4 +198,9 @@ def allocator_stats(device: str = "/device:CPU:0") -> dict[str, int | bool]:
         "small_pool_peak_bytes_in_use": int(small_peak),
         "small_pool_bytes_limit": int(small_limit),
         "budget_bytes": int(budget),
+        "refusals": int(refusals),
+        "refused_bytes": int(refused_bytes),
+        "refused_in_use": int(refused_in_use),
+        "refused_largest_free": int(refused_largest_free),
+        "refused_op": refused_op.numpy().decode(),
     }

@@ -393,6 +393,7 @@ class ManagedStep:
         retried = 0
         while True:
             tf.config.experimental.reset_memory_stats(DEVICE)
+            refusals = ops.allocator_stats()["refusals"]
             try:
                 with self._budget():
                     outputs, trace = profile.measure_step(self._fn, args, budget_bytes=self.budget_bytes, meta=meta,
@@ -402,13 +403,7 @@ class ManagedStep:
                 state.snapshot.restore(recovery.possibly_written(state.passive_def, state.writes,
                                                                  recovery.failed_node(e)))
                 if retried >= MEASURED_RETRIES:
-                    raise BudgetError(
-                        f"capuchin_tf: the measured step ran out of memory twice under a budget of "
-                        f"{format_bytes(self.budget_bytes or 0)} (TensorFlow said: {oom_line(e)}); the variables are "
-                        f"as they were. The step needs at least {format_bytes(state.floor_bytes)} (persistent state "
-                        f"and op {state.floor_op!r}'s tensors); what passive mode could not evict in time (tensors "
-                        "made or read in cond branches or loop bodies, tensors in use, fragmentation) needs more: "
-                        "try a larger budget.") from e
+                    raise self._measured_oom(state, e, refusals) from e
                 retried += 1
                 if self.verbose:
                     print(f"capuchin_tf: the measured step ran out of memory ({oom_line(e)}); variables restored, "
@@ -433,6 +428,34 @@ class ManagedStep:
             except OSError as e:
                 warnings.warn(f"capuchin_tf: the plan could not be cached ({e})", RuntimeWarning, stacklevel=4)
         return outputs
+
+    def _measured_oom(self, state: SignatureState, error, refusals_before: int) -> BudgetError:
+        """The error of a measured step that ran out of memory in both its runs, from what the allocator saw when it
+        refused: what the step asked for, and what was in use that passive mode could not evict (tensors the ops that
+        run or wait to run hold, persistent state, tensors made or read in cond branches or loop bodies, tensors too
+        small to pool), which no budget below their sum can run; or, with enough bytes free, that they were split."""
+        budget = self.budget_bytes or 0
+        stats = ops.allocator_stats()
+        head = (f"capuchin_tf: the measured step ran out of memory twice under a budget of {format_bytes(budget)}; the "
+                "variables are as they were. ")
+        if stats["refusals"] <= refusals_before or stats["refused_bytes"] <= 0:
+            return BudgetError(f"{head}TensorFlow said: {oom_line(error)}")
+        asked, in_use, largest = stats["refused_bytes"], stats["refused_in_use"], stats["refused_largest_free"]
+        op = stats["refused_op"] or recovery.failed_node(error) or "?"
+        limit = min(budget, device_limit_bytes() or budget) if budget else (device_limit_bytes() or 0)
+        if in_use + asked > limit:
+            return BudgetError(
+                f"{head}It is below what this step needs at once under capuchin_tf: op {op!r} asked for "
+                f"{format_bytes(asked)} while {format_bytes(in_use)} were in use that passive mode could not evict "
+                "(what running ops hold, persistent state, tensors made or read in cond branches or loop bodies, "
+                f"tensors too small to pool): no budget below {format_bytes(in_use + asked)} can run this step "
+                f"(its working-set floor alone is {format_bytes(state.floor_bytes)}, at op {state.floor_op!r}). "
+                f"TensorFlow said: {oom_line(error)}")
+        return BudgetError(
+            f"{head}The device's free memory was split: op {op!r} asked for {format_bytes(asked)} with "
+            f"{format_bytes(limit - in_use)} free, the largest free run {format_bytes(largest)}. A budget below the "
+            "device's size leaves room for that (memory_budget < the device); or try a larger budget. "
+            f"TensorFlow said: {oom_line(error)}")
 
     def _cache_key(self, state: SignatureState, args) -> CacheKey:
         """Everything a plan depends on: the graph (nodes with their attributes), the call's and the variables'

@@ -279,9 +279,13 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const A
     // Nothing left to evict and no copy in flight (or 10 s of them did not help): fail now, the runtime retries the
     // step with a tighter plan. (CAPUCHIN_TF_DEBUG_EVICT set: let the allocator fail its own way, which logs its
     // chunks and their ops.)
-    if (ptr == nullptr && std::getenv("CAPUCHIN_TF_DEBUG_EVICT") == nullptr) return nullptr;
+    if (ptr == nullptr && std::getenv("CAPUCHIN_TF_DEBUG_EVICT") == nullptr) {
+      RecordRefusal(num_bytes);
+      return nullptr;
+    }
   }
   if (ptr == nullptr) ptr = base_->AllocateRaw(alignment, num_bytes, attr);
+  if (ptr == nullptr) RecordRefusal(num_bytes);
   if (ptr != nullptr) {
     allocations_.fetch_add(1, std::memory_order_relaxed);
     if (trace_owners_) RecordOwner(ptr, num_bytes);
@@ -403,6 +407,7 @@ void* CapuchinAllocator::AllocateWithinBudget(size_t alignment, size_t num_bytes
       if (!store->WaitForCopy(generation, deadline_ns)) break;
     }
   }
+  if (ptr == nullptr) RecordRefusal(num_bytes);
   if (ptr == nullptr && excess > 0) {
     // TensorFlow's error names the device's allocator, which is not full: say why.
     static std::atomic<int> logged{0};
@@ -417,6 +422,26 @@ void* CapuchinAllocator::AllocateWithinBudget(size_t alignment, size_t num_bytes
     if (trace_owners_) RecordOwner(ptr, num_bytes);
   }
   return ptr;
+}
+
+void CapuchinAllocator::RecordRefusal(size_t num_bytes) {
+  Refusal r;
+  r.bytes = static_cast<int64_t>(num_bytes);
+  if (bfc_ != nullptr) {
+    r.in_use = bfc_->GetStats()->bytes_in_use;
+    for (const HostStore::ChunkSpan& c : *ChunkMap()) {
+      if (!c.in_use) r.largest_free = std::max(r.largest_free, c.size);
+    }
+  }
+  r.op = std::string(tsl::profiler::ScopedMemoryDebugAnnotation::CurrentAnnotation().pending_op_name);
+  std::lock_guard<std::mutex> lock(refusal_mu_);
+  r.count = last_refusal_.count + 1;
+  last_refusal_ = std::move(r);
+}
+
+CapuchinAllocator::Refusal CapuchinAllocator::LastRefusal() {
+  std::lock_guard<std::mutex> lock(refusal_mu_);
+  return last_refusal_;
 }
 
 void CapuchinAllocator::RecordOwner(const void* ptr, size_t num_bytes) {

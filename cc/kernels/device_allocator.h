@@ -63,6 +63,18 @@ class CapuchinAllocator : public Allocator {
   int64_t allocations() const { return allocations_.load(std::memory_order_relaxed); }
   int64_t deallocations() const { return deallocations_.load(std::memory_order_relaxed); }
   void SetSmallPool(bool on) { small_on_.store(on, std::memory_order_relaxed); }
+  // The last allocation the wrapper could not satisfy (at the device's limit or the budget, after passive mode's
+  // evictions): its size, the device's bytes in use then, the largest free chunk then (smaller than the request with
+  // enough bytes free: the free memory was split), and the op that asked. `count` grows by one per failure.
+  struct Refusal {
+    int64_t count = 0;
+    int64_t bytes = 0;
+    int64_t in_use = 0;
+    int64_t largest_free = 0;
+    std::string op;
+  };
+  Refusal LastRefusal();
+
   // The small-tensor pool's statistics (nullopt without a pool).
   std::optional<AllocatorStats> SmallPoolStats() const;
 
@@ -133,6 +145,9 @@ class CapuchinAllocator : public Allocator {
   int64_t admitted_bytes_ = 0;  // the most the admitted allocations not yet finished can still add
   // CAPUCHIN_TF_TRACE_EVICT: the op that allocated each buffer of at least 64 KiB, named in the eviction trace's map.
   void RecordOwner(const void* ptr, size_t num_bytes);
+  void RecordRefusal(size_t num_bytes);
+  std::mutex refusal_mu_;
+  Refusal last_refusal_;
   const bool trace_owners_;
   std::mutex owners_mu_;
   std::unordered_map<uint64_t, std::pair<std::string, int64_t>> owners_;  // op, HostStore::TraceSeq()

@@ -43,11 +43,16 @@ class AllocatorStatsOp : public OpKernel {
     out->scalar<int64_t>()() = limit;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &out));
     out->scalar<bool>()() = wrapped;
-    const int64_t more_values[] = {small_in_use, small_peak, small_limit, budget};
-    for (int i = 0; i < 4; ++i) {
+    CapuchinAllocator::Refusal refusal;
+    if (capuchin != nullptr) refusal = capuchin->LastRefusal();
+    const int64_t more_values[] = {small_in_use,  small_peak,     small_limit,       budget,
+                                   refusal.count, refusal.bytes, refusal.in_use, refusal.largest_free};
+    for (int i = 0; i < 8; ++i) {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(4 + i, TensorShape({}), &out));
       out->scalar<int64_t>()() = more_values[i];
     }
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(12, TensorShape({}), &out));
+    out->scalar<tstring>()() = refusal.op;
   }
 };
 

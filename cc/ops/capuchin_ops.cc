@@ -286,6 +286,11 @@ REGISTER_OP("Capuchin>AllocatorStats")
     .Output("small_pool_peak_bytes_in_use: int64")
     .Output("small_pool_bytes_limit: int64")
     .Output("budget_bytes: int64")
+    .Output("refusals: int64")
+    .Output("refused_bytes: int64")
+    .Output("refused_in_use: int64")
+    .Output("refused_largest_free: int64")
+    .Output("refused_op: string")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->Scalar());
@@ -295,7 +300,9 @@ REGISTER_OP("Capuchin>AllocatorStats")
 Statistics of the allocator of the device this op runs on: bytes in use, peak and limit (-1 when the allocator keeps
 none, as the CPU allocator does unless TF_CPU_ALLOCATOR_USE_BFC=true), and whether it is capuchin_tf's allocator
 wrapper (false when capuchin_tf was loaded after TensorFlow had created its devices); the same three for the
-wrapper's small-tensor pool (-1 without one); the memory budget set by Capuchin>SetMemoryBudget (0: none).
+wrapper's small-tensor pool (-1 without one); the memory budget set by Capuchin>SetMemoryBudget (0: none); and the
+last allocation the wrapper could not satisfy: how many so far, its bytes, the device's bytes in use and its largest
+free chunk at that moment, and the op that asked.
 )doc");
 
 }  // namespace capuchin
