@@ -167,6 +167,18 @@ def failed_node(error: Exception) -> str | None:
     return m[-1] if m else None
 
 
+def variable_dtype(handle) -> tf.DType | None:
+    """The dtype of the variable a captured resource handle refers to; None if it is not a variable's handle (a
+    lookup table, an iterator, a mutex: nothing ReadVariableOp and AssignVariableOp can copy)."""
+    if getattr(handle, "dtype", None) != tf.resource:
+        return None
+    data = resource_variable_ops.get_eager_safe_handle_data(handle)
+    if data is None or not data.is_set or not data.shape_and_type:
+        return None
+    dtype = tf.as_dtype(data.shape_and_type[0].dtype)
+    return None if dtype in (tf.resource, tf.variant, tf.string) else dtype
+
+
 class Snapshot:
     """Host copies of resource variables, given by their handles (a function's captures)."""
 
@@ -175,10 +187,10 @@ class Snapshot:
         self.indices = tuple(indices)
         self.dtypes = {}
         for i in self.indices:
-            data = resource_variable_ops.get_eager_safe_handle_data(self.handles[i])
-            if not data.is_set or not data.shape_and_type:
-                raise ValueError(f"capture {i} is a resource whose dtype is unknown")
-            self.dtypes[i] = tf.as_dtype(data.shape_and_type[0].dtype)
+            dtype = variable_dtype(self.handles[i])
+            if dtype is None:
+                raise ValueError(f"capture {i} is a resource that is not a variable")
+            self.dtypes[i] = dtype
         self.values: dict[int, np.ndarray] = {}
 
     def take(self) -> "Snapshot":

@@ -291,9 +291,13 @@ class ManagedStep:
         except (capture.CaptureError, tf.errors.OpError) as e:
             raise _Refusal(f"its optimized graph could not be read ({type(e).__name__}: {oom_line(e)})") from e
         writes = recovery.state_writes(state.optimized, n_user)
-        if writes.unknown:
+        not_variables = [f"{w} ({next(n.op for n in state.optimized.node if n.name == w)})"
+                         for w, indices in writes.writers.items()
+                         if any(recovery.variable_dtype(captures[i]) is None for i in indices)]
+        if writes.unknown or not_variables:
             raise _Refusal(f"it writes state capuchin_tf cannot copy and restore after a failure: "
-                           f"{', '.join(writes.unknown[:3])} (a resource that is not a captured variable)")
+                           f"{', '.join((list(writes.unknown) + not_variables)[:3])} (a resource that is not a "
+                           "captured variable)")
         try:
             state.snapshot = recovery.Snapshot(captures, writes.captures)
         except ValueError as e:

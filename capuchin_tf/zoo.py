@@ -799,7 +799,7 @@ def refusal_warnings(run: dict) -> list[str]:
 
 # What capuchin_tf says when the budget is below what the step can ever need (runtime.BudgetError raised before
 # anything runs; before it, the passive-mode failure).
-_FLOOR_MESSAGES = ("is below what this step needs at once", "even in passive mode")
+_FLOOR_MESSAGES = ("is below what this step needs at once",)
 
 
 def classify(run: dict, plain: dict, budget_bytes: int) -> tuple[str, str]:
