@@ -192,6 +192,23 @@ def _static_of(func_graph) -> dict[str, StaticTensor]:
     return table
 
 
+def refine_static(func_graph, original) -> None:
+    """Sharpens the static shapes read from `func_graph` (the optimized graph imported) with those of the captured
+    graph `original`, tensor by tensor where the names match: shape inference on the lowered graph loses what goes
+    through a loop (a Merge's input from the next iteration is not known when the Merge is inferred, so the loop's
+    outputs, and everything computed from them, get unknown dimensions), while the captured graph's functional While
+    op kept them (seen: a step whose MLP follows a tf.while_loop had every activation of unknown size, so none was
+    pooled, and its measured step ran out of memory at half its transient peak)."""
+    table = _static_of(func_graph)
+    for op in original.get_operations():
+        for t in op.outputs:
+            known = table.get(t.name)
+            if known is None or known.shape.is_fully_defined() or known.dtype != t.dtype:
+                continue
+            if known.shape.is_compatible_with(t.shape):
+                table[t.name] = StaticTensor(known.dtype, known.shape.merge_with(t.shape))
+
+
 def static_tensor(func_graph, node, slot: int) -> StaticTensor | None:
     """The dtype and static shape of output `slot` of `node` (a NodeDef of the graph `func_graph` was imported from,
     or of an edited copy of it), None if unknown. Nodes capuchin_tf inserted are found through their MIRRORS_ATTR,

@@ -175,10 +175,16 @@ class GraphModel:
         )
 
 
+# Ops that read state or stand for it: they keep their role (a ReadVariableOp of a slot is state, not an update).
+_NOT_OPTIMIZER_TYPES = frozenset({"_Arg", "_Retval", "ReadVariableOp", "VarHandleOp", "Const", "HostConst",
+                                  "Placeholder", "NoOp"})
+
+
 def propagate_backward_roles(model: GraphModel) -> GraphModel:
     """Names decide roles at first (`gradient_tape/...` is backward); this fixes what names miss: a forward-named op
-    that reads a backward tensor is backward too (gradient sums such as `AddN_3` sit outside the tape's name scope).
-    Propagated to a fixpoint along data edges; optimizer ops keep their role."""
+    that reads a backward tensor is backward too (gradient sums such as `AddN_3` sit outside the tape's name scope),
+    and one read only by optimizer ops is the optimizer's. Propagated to a fixpoint along data edges; optimizer ops
+    keep their role."""
     roles = {name: op.role for name, op in model.ops.items()}
     consumers: dict[str, list[str]] = {}
     for op in model.ops.values():
@@ -192,6 +198,23 @@ def propagate_backward_roles(model: GraphModel) -> GraphModel:
             if roles[c] in (Role.FORWARD, Role.OTHER) and model.ops[c].type not in ("_Retval",):
                 roles[c] = Role.BACKWARD
                 stack.append(c)
+    # Optimizer ops the name scopes miss (Keras names RMSprop's scope "rm_sprop"): an op that is neither forward by
+    # name nor backward and whose every reader is an optimizer op. A slot's decay (rho x v) reads only the slot and
+    # feeds only its assignment: it is the optimizer's, wherever the executor happens to run it.
+    readers: dict[str, set[str]] = {}
+    for op in model.ops.values():
+        for t in op.inputs:
+            readers.setdefault(model.tensors[t].op, set()).add(op.name)
+    changed = True
+    while changed:
+        changed = False
+        for name, op in model.ops.items():
+            if roles[name] not in (Role.FORWARD, Role.OTHER) or op.type in _NOT_OPTIMIZER_TYPES:
+                continue
+            rs = readers.get(name)
+            if rs and all(roles[r] == Role.OPTIMIZER for r in rs):
+                roles[name] = Role.OPTIMIZER
+                changed = True
     if all(roles[n] == op.role for n, op in model.ops.items()):
         return model
     ops = [dataclasses.replace(op, role=roles[op.name]) for op in model.ops.values()]

@@ -94,7 +94,9 @@ def input_shapes(args) -> list:
 def shapes_graph(concrete, optimized, args):
     """The optimized graph imported with the call's input shapes: the static shape of every tensor of it, and of
     every node capuchin_tf inserts into it later (capture.static_tensor)."""
-    return rewrite.rebuild(concrete, optimized, name="capuchin_shapes", input_shapes=input_shapes(args)).graph
+    shaped = rewrite.rebuild(concrete, optimized, name="capuchin_shapes", input_shapes=input_shapes(args)).graph
+    capture.refine_static(shaped, concrete.graph)
+    return shaped
 
 
 def passive_graph(concrete, args, optimized=None, shaped=None):

@@ -37,7 +37,9 @@ modes and the host store are process-wide): calls from several threads wait for 
 
 Safety net: for capuchin's policies (capuchin, swap-only, recompute-only) every guided step keeps passive mode's
 pool: tensors the plan does not handle are handed to it as in the measured step, and what the plan did not foresee
-is evicted on demand (the baselines swap-all and checkpoint run their plans alone).
+is evicted on demand (the baselines swap-all and checkpoint run their plans alone). When the planner finds no plan
+its model says fits the budget, the best one runs; if it runs out of memory where the measured step fitted, the steps
+run in passive mode from then on, as the measured one (phase "passive"; the report's `passive_only`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from capuchin_tf import _version, capture, ops, profile, recovery, rewrite
 from capuchin_tf.budget import format_bytes
 from capuchin_tf.device_model import DeviceModel
 from capuchin_tf.feedback import move_triggers
-from capuchin_tf.graph_model import fold_views, working_set_floor
+from capuchin_tf.graph_model import fold_views, split_tensor_id, working_set_floor
 from capuchin_tf.plan import Plan
 from capuchin_tf.plan_cache import CacheKey, PlanCache
 from capuchin_tf.policy import make_plan
@@ -142,6 +144,7 @@ class SignatureState:
     fallback_reason: str | None = None  # set: capuchin_tf refused the signature, which runs as plain TensorFlow
     from_cache: bool = False
     passive_fn: Any = None  # the step with passive mode's tensor pool (the last resort after repeated OOM)
+    passive_only: bool = False  # no plan fits: every step runs in passive mode, as the measured one
     passive_def: Any = None
     # How much faster guided steps compute than the measured step's trace says: trace step time over the fastest
     # guided step's time without its waits for copies (recomputation included, so an underestimate).
@@ -227,6 +230,7 @@ class ManagedStep:
                 "replans": st.replans,
                 "settled": st.steps_since_change >= self.settle_steps,
                 "fallback_reason": st.fallback_reason,
+                "passive_only": st.passive_only,
                 "from_cache": st.from_cache,
                 "speedup": st.speedup,
                 "steps": [dataclasses.asdict(r) for r in st.history],
@@ -251,6 +255,8 @@ class ManagedStep:
             self._states.move_to_end(key)
         if state.fallback_reason is not None:
             return self._plain(state, args)
+        if state.passive_only:
+            return self._passive(state, args, 0, None)
         if state.trace is None:
             if self._load_cached(state, args):
                 return self._guided(state, args)
@@ -426,7 +432,7 @@ class ManagedStep:
                 raise CapuchinError(f"capuchin_tf cannot manage this step ({state.key}): planning failed "
                                     f"({type(e).__name__}: {e}); the variables are as they were before the call") from e
             self._refuse(state, str(e) if isinstance(e, _Refusal) else f"planning failed ({type(e).__name__}: {e})")
-        if self.cache is not None and state.plan is not None and state.fallback_reason is None:
+        if self.cache is not None and state.fn is not None and state.fallback_reason is None:
             try:
                 self.cache.store(self._cache_key(state, args), state.plan, extra={"trace": trace.to_json()})
             except OSError as e:
@@ -526,14 +532,18 @@ class ManagedStep:
             print(f"capuchin_tf: plan for {budget / 2**20:.1f} MiB: {plan.summary()}", flush=True)
         try:
             if not state.tensor_info:
+                nodes = {n.name: n for n in state.optimized.node}
                 for t in state.trace.tensors:
                     try:
-                        tensor = state.shaped.get_tensor_by_name(t)
-                    except (KeyError, ValueError):
+                        op, slot = split_tensor_id(t)
+                    except ValueError:  # a temporary of the trace ("op:temp0"), never planned
                         continue
-                    shape = None if tensor.shape.rank is None else tuple(
-                        -1 if d is None else d for d in tensor.shape.as_list())
-                    state.tensor_info[t] = (tensor.dtype.name, shape)
+                    static = capture.static_tensor(state.shaped, nodes[op], slot) if op in nodes else None
+                    if static is None:
+                        continue
+                    shape = None if static.shape.rank is None else tuple(
+                        -1 if d is None else d for d in static.shape.as_list())
+                    state.tensor_info[t] = (static.dtype.name, shape)
             missing = [d.tensor for d in plan.decisions if d.tensor not in state.tensor_info]
             if missing:
                 raise rewrite.RewriteError(f"planned tensors not in the optimized graph: {missing[:3]}")
@@ -604,6 +614,19 @@ class ManagedStep:
                     if not self.passive_rescue:
                         raise self._failure(state, e, rescue_off=True) from e
                     return self._passive(state, args, retried, e)
+                if not state.plan.feasible and self.safety_net and state.trace.peak_bytes <= (self.budget_bytes or 0):
+                    # A plan the planner itself predicted over the budget ran out of memory, where the measured step
+                    # fitted: from now on the steps run in passive mode, as the measured one, rather than retry plans
+                    # its model says cannot fit (seen on a GRU under a wide head at half its transient peak: a plan
+                    # predicted at 19.8 MiB for 16.2 MiB failed three attempts in a row, each waiting for copies,
+                    # where passive steps fit every time). Such a plan often runs anyway, the safety net evicting
+                    # what it did not foresee: swap-only on the quick tier over the p100 link does.
+                    state.passive_only = True
+                    if self.verbose:
+                        print(f"capuchin_tf: the plan, predicted at {format_bytes(state.plan.predicted_peak_bytes)} "
+                              f"for {format_bytes(state.plan_budget)}, ran out of memory; the steps run in passive "
+                              "mode from now on", flush=True)
+                    return self._passive(state, args, retried, e)
                 if not self._tighten(state, args, reason=f"out of memory ({oom_line(e)})"):
                     self._back_to_good(state)
                 continue
@@ -662,7 +685,7 @@ class ManagedStep:
         t0 = time.perf_counter()
         reruns = 0
         while True:
-            if self.verbose:
+            if self.verbose and (error is not None or reruns):
                 print(f"capuchin_tf: out of memory {'again' if not reruns else 'in passive mode'}; running this step "
                       f"in passive mode; device memory in use "
                       f"{tf.config.experimental.get_memory_info(DEVICE)['current'] / 2**20:.1f} MiB", flush=True)

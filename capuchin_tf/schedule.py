@@ -12,7 +12,7 @@ import math
 import heapq
 from typing import Mapping
 
-from capuchin_tf.graph_model import GraphModel, Role
+from capuchin_tf.graph_model import VIEW_OPS, GraphModel, Role
 
 BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
 # Ops that write a variable (resource) in place.
@@ -117,6 +117,19 @@ def _is_topological(graph: GraphModel, order: list[str]) -> bool:
     return True
 
 
+def _data_ancestors(graph: GraphModel, names: list[str]) -> set[str]:
+    """`names` and every op whose output they read, directly or not (data edges only: a tf.function's results wait
+    for every side effect of the step through control edges, which say nothing about what they are computed from)."""
+    seen, stack = set(names), list(names)
+    while stack:
+        op = graph.ops[stack.pop()]
+        for p in [graph.tensors[t].op for t in op.inputs]:
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return seen
+
+
 def produced_bytes(graph: GraphModel, order: list[str]) -> list[int]:
     """produced[i]: transient bytes the first i ops of `order` produce (so produced[j] - produced[i + 1] is what the
     ops strictly between positions i and j allocate)."""
@@ -127,12 +140,14 @@ def produced_bytes(graph: GraphModel, order: list[str]) -> list[int]:
     return produced
 
 
-# A gradient op is deferred when at least this much of other tensors is produced between it and its first reader.
+# An early op is deferred when its outputs hold at least this much and at least this much of other tensors is produced
+# between it and its first reader.
 DEFER_MIN_BYTES = 1 << 20
 
 
 def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[str, tuple[str, ...]]:
-    """Gradient ops the executor would run long before their outputs are read -> the ops each is to wait for.
+    """Gradient and optimizer ops the executor would run long before their outputs are read -> the ops each is to
+    wait for.
 
     TensorFlow's executor runs an op as soon as its inputs are ready, and a gradient op that reads nothing of the
     backward pass is ready early: on the transformer the gradient of the masked-LM head's label gather (a dense
@@ -142,7 +157,8 @@ def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[
     first reader R, where readers deferred themselves count at their new place; it is made to wait for the last op
     before R that neither depends on X nor is deferred nor is an optimizer op, so that it runs right before R.
 
-    X is deferred when: it is a backward op that the estimate runs before the forward pass's last op, not stateful
+    X is deferred when: it is not part of the forward pass (what the step's results depend on) and the estimate runs
+    it before the forward pass's last op, not stateful
     and not a variable write, whose outputs hold at least `min_bytes` or which reads such an op's output; at least
     `min_bytes` of other tensors are produced between it and R; and its outputs are at least as large as the inputs
     it would keep alive longer (read last by X, or last by ops before its new place). An early op that is not
@@ -175,10 +191,19 @@ def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[
                     stack.append(s)
         return False
 
-    # Backward ops ready before the forward pass ends.
-    forward_end = max((pos[n] for n, op in graph.ops.items() if op.role == Role.FORWARD), default=-1)
-    early = {n for n in order[:forward_end] if graph.ops[n].role == Role.BACKWARD and not graph.ops[n].stateful
-             and not is_variable_writer(graph.ops[n].type) and graph.ops[n].always_runs}
+    # The forward pass: what the step's results depend on (the loss). Ops outside it that the estimate runs before
+    # its last op are early: gradient ops that read no gradient, and an optimizer's decay of its slots (rho x v reads
+    # only the slot, and the executor computes it for every variable at the start of the step: MobileNetV3Large under
+    # RMSprop held 33 MiB of them through its whole forward and backward pass). Roles by name scope would miss them
+    # (Keras names RMSprop's scope "rm_sprop", and the decay's reader also reads the gradient).
+    results = [n for n, op in graph.ops.items() if op.type == "_Retval"]
+    forward = (_data_ancestors(graph, results) if results  # a graph without results (a test's): roles by name
+               else {n for n, op in graph.ops.items() if op.role == Role.FORWARD})
+    # (its last computing op: a result's Identity waits for every side effect of the step, through control edges)
+    forward_end = max((pos[n] for n in forward if graph.ops[n].type not in VIEW_OPS | {"_Retval"}), default=0)
+    early = {n for n in order[:forward_end] if n not in forward and not graph.ops[n].stateful
+             and not is_variable_writer(graph.ops[n].type) and graph.ops[n].always_runs
+             and graph.ops[n].type not in ("_Arg", "_Retval")}
 
     def out_bytes(name: str) -> int:
         return sum(max(graph.tensors[t].nbytes, 0) for t in graph.ops[name].outputs)
@@ -230,8 +255,7 @@ def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[
             continue
         after = [c for t in op.inputs if graph.tensors[t].nbytes == size and not graph.tensors[t].persistent
                  for c in graph.tensors[t].consumers
-                 if c != name and graph.ops[c].role == Role.FORWARD and graph.ops[c].always_runs
-                 and not depends_on(c, name)]
+                 if c != name and c in forward and graph.ops[c].always_runs and not depends_on(c, name)]
         if after:
             out[name] = tuple(dict.fromkeys(after))
     return out

@@ -1,7 +1,7 @@
 """The quick tier under persistent + half its transient peak (issue 5):
 plain TensorFlow runs out of memory there, and capuchin, swap-only and recompute-only (p100 link) each train the model
-for 5 steps under the budget, with plain TensorFlow's losses and variables bit for bit, running their plans (guided
-steps) after the measured step.
+for 5 steps under the budget on a device twice its size, with plain TensorFlow's losses and variables bit for bit,
+every step after the measured one guided.
 
 Each run is a `bench` worker in a fresh process on the simulated device (the same runs as
 `python -m capuchin_tf bench equal --model M --batch B --transient-fraction F --policy P --link p100 --steps 5`).
@@ -24,9 +24,10 @@ MODELS = [("mlp", 2048, 0.5), ("cnn", 128, 0.5), ("dropout-bn", 128, 0.5), ("tra
 POLICIES = ["capuchin", "swap-only", "recompute-only"]
 
 
-def worker(model, batch, policy, budget_mb, steps=STEPS):
-    return run_worker(["--model", model, "--batch", str(batch), "--budget-mb", str(budget_mb), "--policy", policy,
-                       "--link", "p100", "--steps", str(steps)], budget_mb)
+def worker(model, batch, policy, budget_mb, steps=STEPS, device_mb=None):
+    device_mb = device_mb or budget_mb
+    return run_worker(["--model", model, "--batch", str(batch), "--budget-mb", str(budget_mb), "--device-mb",
+                       str(device_mb), "--policy", policy, "--link", "p100", "--steps", str(steps)], device_mb)
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=[m for m, _, _ in MODELS])
@@ -47,12 +48,12 @@ def test_plain_tensorflow_runs_out_of_memory_at_the_budget(reference):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_policy_trains_under_the_budget_bit_for_bit(reference, policy, assert_plan_fits_policy):
+    # The device is twice the budget: the budget holds by itself (the allocator enforces it), so the peak check can
+    # fail; every step after the measured one runs the plan.
     budget_mb, plain = reference["budget_mb"], reference["plain"]
-    r = worker(reference["model"], reference["batch"], policy, budget_mb)
+    r = worker(reference["model"], reference["batch"], policy, budget_mb, device_mb=2 * budget_mb)
     assert r["ok"], r["error"]
     assert r["losses_hex"] == plain["losses_hex"] and r["variables_sha256"] == plain["variables_sha256"]
     assert r["peak_bytes"] <= budget_mb * MiB
-    # The plan ran: guided steps (a guided step that ran out of memory twice is rescued by passive mode, still bit
-    # for bit and under the budget; docs/results.md records how often).
-    assert r["phases"][0] == "measured" and r["phases"].count("guided") >= 2, r["phases"]
+    assert r["phases"] == ["measured"] + ["guided"] * (STEPS - 1), r["phases"]
     assert_plan_fits_policy(policy, r)
