@@ -422,6 +422,55 @@ def _check_name_and_batch(name: str, batch: int) -> None:
         raise ValueError(f"batch must be a positive integer, got {batch!r}")
 
 
+def step_variables(name: str, train_step, layer_models, groups) -> tuple[tuple, tuple, tuple, list[str]]:
+    """The variables a traced step captures, each once with its role, checked: (variables, roles, written variables,
+    names of listed variables the step does not use). `groups`: (variables, role) pairs in order ("trainable",
+    "non_trainable", "optimizer", ...); a non-trainable variable of a Keras seed generator of `layer_models` gets the
+    role "seed_generator". Raises RuntimeError if the step captures a resource that is not listed: everything the
+    step reads or writes must be in the digest. A variable counts as written when an op other than a plain read takes
+    its handle (a cond or loop that takes a handle counts as writing it)."""
+    seed_states = {id(_unwrap(g.state)) for m in layer_models for layer in m._flatten_layers()
+                   for g in _seed_generators(layer)}
+    candidates: list[tuple[tf.Variable, str]] = []
+    seen: set[int] = set()
+    for group, role in groups:
+        for kv in group:
+            v = _unwrap(kv)
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            is_seed = id(v) in seed_states or v.name.rsplit("/", 1)[-1].startswith("seed_generator_state")
+            candidates.append((v, "seed_generator" if role == "non_trainable" and is_seed else role))
+    graph = train_step.get_concrete_function().graph
+    by_handle = {id(v.handle): v for v, _ in candidates}
+    captured: dict[int, tf.Variable] = {}
+    placeholder_to_var: dict[str, tf.Variable] = {}
+    unknown = []
+    for external, internal in graph.captures:
+        if external.dtype != tf.resource:
+            continue
+        v = by_handle.get(id(external))
+        if v is None:
+            unknown.append(internal.name)
+            continue
+        captured[id(v)] = v
+        placeholder_to_var[internal.name] = v
+    if unknown:
+        raise RuntimeError(f"{name}: the traced step captures resources that are not known variables: {unknown}")
+    written: dict[int, tf.Variable] = {}
+    for op in graph.get_operations():
+        if op.type in _READ_ONLY_OPS:
+            continue
+        for t in op.inputs:
+            v = placeholder_to_var.get(t.name)
+            if v is not None:
+                written[id(v)] = v
+    variables = tuple(v for v, _ in candidates if id(v) in captured)
+    roles = tuple(r for v, r in candidates if id(v) in captured)
+    return (variables, roles, tuple(v for v in variables if id(v) in written),
+            [v.name for v, _ in candidates if id(v) not in captured])
+
+
 def build(name: str, batch: int, seed: int = 0) -> TrainingSetup:
     """Builds model `name` (see MODELS / describe()) for batch size `batch` and returns its training step.
 
@@ -454,56 +503,9 @@ def build(name: str, batch: int, seed: int = 0) -> TrainingSetup:
 
     train_step = tf.function(step, input_signature=input_spec, jit_compile=False, autograph=False)
 
-    # Every variable, by role, each once (a tied embedding is one variable).
-    seed_states = {id(_unwrap(g.state)) for layer in model._flatten_layers() for g in _seed_generators(layer)}
-    candidates: list[tuple[tf.Variable, str]] = []
-    seen: set[int] = set()
-    for group, role in (
-        (model.trainable_variables, "trainable"),
-        (model.non_trainable_variables, "non_trainable"),
-        (optimizer.variables, "optimizer"),
-    ):
-        for kv in group:
-            v = _unwrap(kv)
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            is_seed = id(v) in seed_states or v.name.rsplit("/", 1)[-1].startswith("seed_generator_state")
-            role_v = "seed_generator" if role == "non_trainable" and is_seed else role
-            candidates.append((v, role_v))
-
-    # Trace once and check the step's captures against the list: nothing unknown may be read or written.
-    graph = train_step.get_concrete_function().graph
-    by_handle = {id(v.handle): (v, r) for v, r in candidates}
-    captured: dict[int, tf.Variable] = {}
-    placeholder_to_var: dict[str, tf.Variable] = {}
-    unknown = []
-    for external, internal in graph.captures:
-        if external.dtype != tf.resource:
-            continue
-        hit = by_handle.get(id(external))
-        if hit is None:
-            unknown.append(internal.name)
-            continue
-        captured[id(hit[0])] = hit[0]
-        placeholder_to_var[internal.name] = hit[0]
-    if unknown:
-        raise RuntimeError(f"{name}: the traced step captures resources that are not known variables: {unknown}")
-    variables = tuple(v for v, _ in candidates if id(v) in captured)
-    roles = tuple(r for v, r in candidates if id(v) in captured)
-    unused = [v.name for v, _ in candidates if id(v) not in captured]
-
-    written: dict[int, tf.Variable] = {}
-    write_ops: dict[str, int] = {}
-    for op in graph.get_operations():
-        if op.type in _READ_ONLY_OPS:
-            continue
-        for t in op.inputs:
-            v = placeholder_to_var.get(t.name)
-            if v is not None:
-                written[id(v)] = v
-                write_ops[op.type] = write_ops.get(op.type, 0) + 1
-    written_variables = tuple(v for v in variables if id(v) in written)
+    variables, roles, written_variables, unused = step_variables(
+        name, train_step, [model], ((model.trainable_variables, "trainable"),
+                                    (model.non_trainable_variables, "non_trainable"), (optimizer.variables, "optimizer")))
 
     input_size = tuple(int(d) for d in inputs[0].shape[1:])
     trainable_params = sum(int(v.shape.num_elements()) for v in model.trainable_variables)
@@ -522,7 +524,6 @@ def build(name: str, batch: int, seed: int = 0) -> TrainingSetup:
         "input_bytes": sum(int(t.shape.num_elements()) * t.dtype.size for t in inputs),
         "num_variables": len(variables),
         "num_written_variables": len(written_variables),
-        "write_op_types": dict(sorted(write_ops.items())),
         "unused_variables": unused,
         "seed": seed,
     }

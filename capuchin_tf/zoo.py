@@ -715,49 +715,7 @@ def _finish(name: str, batch: int, seed: int, spec: _Spec):
     train_step = tf.function(spec.step, input_signature=input_spec, jit_compile=False, autograph=spec.autograph)
 
     all_models = spec.models or [spec.model]
-    seed_states = {id(models._unwrap(g.state)) for m in all_models for layer in m._flatten_layers()
-                   for g in models._seed_generators(layer)}
-    candidates: list[tuple[Any, str]] = []
-    seen: set[int] = set()
-    for group, role in spec.groups:
-        for kv in group:
-            v = models._unwrap(kv)
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            is_seed = id(v) in seed_states or v.name.rsplit("/", 1)[-1].startswith("seed_generator_state")
-            candidates.append((v, "seed_generator" if role == "non_trainable" and is_seed else role))
-
-    graph = train_step.get_concrete_function().graph
-    by_handle = {id(v.handle): v for v, _ in candidates}
-    captured: dict[int, Any] = {}
-    placeholder_to_var: dict[str, Any] = {}
-    unknown = []
-    for external, internal in graph.captures:
-        if external.dtype != tf.resource:
-            continue
-        v = by_handle.get(id(external))
-        if v is None:
-            unknown.append(internal.name)
-            continue
-        captured[id(v)] = v
-        placeholder_to_var[internal.name] = v
-    if unknown:
-        raise RuntimeError(f"{name}: the traced step captures resources that are not known variables: {unknown}")
-    variables = tuple(v for v, _ in candidates if id(v) in captured)
-    roles = tuple(r for v, r in candidates if id(v) in captured)
-
-    # Writes: any op other than a plain read that takes a captured handle (conservative: a cond or loop that takes
-    # a handle counts as writing it).
-    written: dict[int, Any] = {}
-    for op in graph.get_operations():
-        if op.type in models._READ_ONLY_OPS:
-            continue
-        for t in op.inputs:
-            v = placeholder_to_var.get(t.name)
-            if v is not None:
-                written[id(v)] = v
-    written_variables = tuple(v for v in variables if id(v) in written)
+    variables, roles, written_variables, unused = models.step_variables(name, train_step, all_models, spec.groups)
 
     trainable = [models._unwrap(v) for m in all_models for v in m.trainable_variables]
     input_size = tuple(int(d) for d in inputs[0].shape[1:])
@@ -774,7 +732,7 @@ def _finish(name: str, batch: int, seed: int, spec: _Spec):
         "num_variables": len(variables),
         "num_written_variables": len(written_variables),
         "roles": {r: roles.count(r) for r in dict.fromkeys(roles)},
-        "unused_variables": [v.name for v, _ in candidates if id(v) not in captured],
+        "unused_variables": unused,
         "seed": seed,
     }
     return models.TrainingSetup(name=name, batch=batch, model=spec.model, optimizer=spec.optimizer, inputs=inputs,
