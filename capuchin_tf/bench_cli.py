@@ -355,6 +355,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                                        "default: every case")
     which.add_argument("--ci", action="store_true", help="the fast cases CI runs (tests/test_zoo.py)")
     which.add_argument("--list", action="store_true", help="print the cases and exit")
+    which.add_argument("--table-from", metavar="JSON", help="run nothing: classify the runs of this zoo JSON again "
+                                                            "and write the table (--markdown) and the JSON (--json)")
     zoo.add_argument("--steps", type=int, default=5, help="steps per run (default 5; the first is the measured one)")
     zoo.add_argument("--fraction", type=float, default=0.5,
                      help="budget = persistent + this fraction of the plain transient peak (default 0.5)")
@@ -424,6 +426,17 @@ def _zoo(a: argparse.Namespace) -> int:
 
     if a.list:
         print(zoo.describe())
+        return 0
+    if a.table_from:
+        try:
+            data = zoo.reclassify(json.loads(pathlib.Path(a.table_from).read_text()))
+        except (OSError, ValueError) as e:
+            raise CliError(f"cannot read {a.table_from}: {e}") from None
+        if a.json:
+            pathlib.Path(a.json).write_text(json.dumps(data, indent=1))
+        if a.markdown:
+            zoo.write_markdown(a.markdown, data)
+        print(zoo.markdown_table(data))
         return 0
     if a.steps < 1:
         raise CliError(f"--steps must be at least 1, got {a.steps}")

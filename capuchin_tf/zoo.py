@@ -12,8 +12,8 @@ here; the quick and standard tiers keep their own names), so the `bench` worker 
 3. `capuchin_tf.function(memory_budget=budget, policy="capuchin", link="native")` on a device of exactly the budget;
 4. the same on a device of twice the budget.
 
-Each run is classified (`classify`): `guided`, `refused`, `floor`, `mismatch`, `crash`, `over-budget`, or `partial`
-(bit for bit and under the budget, but not every step after the measured one guided). The JSON is written after each
+Each run is classified (`classify`): `guided`, `refused`, `floor`, `fragmented`, `no-build`, `mismatch`, `crash`,
+`over-budget`, or `partial` (bit for bit and under the budget, but not every step after the measured one guided). The JSON is written after each
 case; the markdown table replaces the part of --markdown between the two `zoo-table` markers.
 
 The case definitions import TensorFlow and Keras only when a case is built, and never capuchin_tf's op library (as
@@ -35,7 +35,7 @@ from typing import Any, Callable
 MiB = 1 << 20
 PREFIX = "zoo/"
 PLAIN_DEVICE_MB = 16384  # the plain run's device (16 GiB): enough for every case
-OUTCOMES = ("guided", "refused", "partial", "floor", "over-budget", "crash", "mismatch")
+OUTCOMES = ("guided", "refused", "partial", "floor", "fragmented", "no-build", "over-budget", "crash", "mismatch")
 FAILING_OUTCOMES = ("mismatch", "crash")  # the command's exit code is 1 when a run has one of these
 MARK_BEGIN = "<!-- zoo-table: begin (written by `python -m capuchin_tf bench zoo --markdown`) -->"
 MARK_END = "<!-- zoo-table: end -->"
@@ -755,9 +755,13 @@ def refusal_warnings(run: dict) -> list[str]:
     return sorted(warned, key=lambda w: "plain TensorFlow" not in w)
 
 
-# What capuchin_tf says when the budget is below what the step can ever need (runtime.BudgetError raised before
-# anything runs; before it, the passive-mode failure).
+# What capuchin_tf says when the budget is below what the step can ever need (runtime.BudgetError, before anything
+# runs or after the measured step's two runs).
 _FLOOR_MESSAGES = ("is below what this step needs at once",)
+# What it says when the measured step failed with enough bytes free but not in one piece (on a device of exactly the
+# budget's size), and what the worker says when the model cannot even be built on the device.
+_FRAGMENTED_MESSAGES = ("free memory was split",)
+_NO_BUILD_MESSAGES = ("does not build on this device",)
 
 
 def classify(run: dict, plain: dict, budget_bytes: int) -> tuple[str, str]:
@@ -765,6 +769,8 @@ def classify(run: dict, plain: dict, budget_bytes: int) -> tuple[str, str]:
 
     mismatch: the losses so far or (when it completed) the variables differ from plain TensorFlow's;
     floor: capuchin_tf said the budget is below what the step can ever need (_FLOOR_MESSAGES);
+    fragmented: the measured step failed with enough bytes free, not in one piece (_FRAGMENTED_MESSAGES);
+    no-build: the model itself does not build on a device of that size (before capuchin_tf has any part);
     refused: a capuchin_tf warning named why the step runs as plain TensorFlow, every step after the first is
         'plain' (and then either bit for bit, or out of memory in that plain step);
     crash: any other error (including a timeout or a dead process);
@@ -788,6 +794,10 @@ def classify(run: dict, plain: dict, budget_bytes: int) -> tuple[str, str]:
         text = _error_text(run)
         if any(m in text for m in _FLOOR_MESSAGES):
             return "floor", text
+        if any(m in text for m in _FRAGMENTED_MESSAGES):
+            return "fragmented", text
+        if any(m in text for m in _NO_BUILD_MESSAGES):
+            return "no-build", text
         if warned and plain_after_first and _is_oom(run):
             return "refused", f"{warned[0]}; the plain step then ran out of memory"
         return "crash", text
@@ -884,6 +894,24 @@ def markdown_table(data: dict) -> str:
             time_cell, _cell("; ".join(reasons), 400),
         ]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def reclassify(data: dict) -> dict:
+    """`data` (a zoo JSON) with every case's outcomes, reasons and time ratios computed again from its stored runs,
+    by this version's `classify`."""
+    for c in data.get("cases", []):
+        plain = c.get("plain") or {}
+        if not plain.get("ok") or not c.get("budget_mb"):
+            continue
+        for key in ("budget", "double"):
+            run = c.get(f"{key}_run")
+            if run is None:
+                continue
+            outcome, reason = classify(run, plain, c["budget_mb"] * MiB)
+            c.update({f"outcome_{key}": outcome, f"reason_{key}": reason,
+                      "steady_ratio" if key == "budget" else "steady_ratio_double": steady_ratio(run, plain)})
+    data["summary"] = summary(data)
+    return data
 
 
 def summary(data: dict) -> dict[str, list[int]]:
