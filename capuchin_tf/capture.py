@@ -235,6 +235,18 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
 
     # Lowered conds and loops: which ops always run (control_flow.py).
     flow = control_flow.of_graph_def(graph_def)
+    by_name = {n.name: n for n in nodes}
+
+    def _input_dtype(ref: str) -> str:
+        """The dtype name of a data input ("node:slot"), "unknown" when it cannot be told."""
+        name, _, slot = ref.partition(":")
+        producer = by_name.get(name)
+        op_def = op_def_registry.get(producer.op) if producer is not None else None
+        if op_def is None:
+            return "unknown"
+        dtypes = _output_dtypes(producer, op_def)
+        k = int(slot) if slot else 0
+        return dtypes[k] if k < len(dtypes) else "unknown"
     ops, tensors = [], []
     for node in nodes:
         op_def = op_def_registry.get(node.op)
@@ -263,8 +275,13 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
             ))
             outputs.append(tid)
         always_runs = flow.always_runs(node.name)
+        # Replayable: running it again on the same inputs gives the same bits. Not a stateful op (variables, random
+        # ops with a hidden state), nor lowered or functional control flow, nor an op that may not run, nor one that
+        # reads a resource or a variant (what a handle or a list refers to can change between the run and the replay).
         replayable = (not stateful and node.op not in FUNCTIONAL_OPS and node.op not in control_flow.CONTROL_FLOW_OPS
-                      and always_runs and node.op not in ("_Arg", "_Retval"))
+                      and always_runs and node.op not in ("_Arg", "_Retval")
+                      and not any(_input_dtype(i) in ("resource", "variant") for i in node.input
+                                  if not i.startswith("^")))
         ops.append(OpInfo(
             name=node.name, type=node.op,
             inputs=tuple(_normalize_input(i) for i in node.input if not i.startswith("^")),

@@ -97,6 +97,29 @@ def test_markdown_replaces_only_the_marked_section(tmp_path):
     assert doc.read_text() == text
 
 
+def test_table_from_classifies_recorded_runs_again(tmp_path, capsys):
+    # A run recorded when this error still counted as a crash is classified with today's rules.
+    from capuchin_tf import cli
+
+    split = run(ok=False, phases=[], losses_hex=[], error_type="BudgetError",
+                capuchin_error="capuchin_tf: the measured step ran out of memory twice under a budget of 50.0 MiB; "
+                               "the variables are as they were. The device's free memory was split: op 'x' ...")
+    entry = {"case": "zoo/x", "batch": 8, "plain_peak_bytes": 100 * MiB, "persistent_bytes": 10 * MiB,
+             "budget_mb": 50, "plain": PLAIN, "budget_run": split, "double_run": run(),
+             "outcome_budget": "crash", "reason_budget": "old", "outcome_double": "crash", "reason_double": "old"}
+    recorded = tmp_path / "zoo.json"
+    recorded.write_text(json.dumps({"commit": "c", "date": "d", "machine": {"cores": 2}, "steps": 3, "fraction": 0.5,
+                                    "cases": [entry]}))
+    out_json, out_md = tmp_path / "again.json", tmp_path / "zoo.md"
+    assert cli.main(["bench", "zoo", "--table-from", str(recorded), "--json", str(out_json),
+                     "--markdown", str(out_md)]) == 0
+    again = json.loads(out_json.read_text())
+    (case,) = again["cases"]
+    assert (case["outcome_budget"], case["outcome_double"]) == ("fragmented", "guided")
+    assert again["summary"]["fragmented"] == [1, 0] and "fragmented 1/0" in out_md.read_text()
+    capsys.readouterr()
+
+
 def test_case_selection():
     assert [c.name for c in zoo.select("gru,zoo/gan")] == ["zoo/gru", "zoo/gan"]
     assert {c.group for c in zoo.select("tiers")} == {"tiers"}
