@@ -403,8 +403,8 @@ def test_a_guided_step_that_no_tighter_plan_rescues_goes_back_to_the_last_plan_t
     from capuchin_tf import recovery, rewrite, runtime
 
     step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
-    plan_a = SimpleNamespace(name="A", swapped_bytes=1, recomputed_bytes=0)
-    plan_b = SimpleNamespace(name="B", swapped_bytes=2, recomputed_bytes=0)
+    plan_a = SimpleNamespace(name="A", swapped_bytes=1, recomputed_bytes=0, feasible=True)
+    plan_b = SimpleNamespace(name="B", swapped_bytes=2, recomputed_bytes=0, feasible=True)
     log = []
     state = runtime.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB, step_time=0.0),
                                    plan=plan_b, plan_budget=90 * MiB, fn="step B", guided_def="graph B",
