@@ -109,8 +109,9 @@ del step, inputs, variables
 
 step, inputs, variables = build()
 # the first model may still be on the device: the budget is what is resident now plus a fraction of the transient peak
-budget = None if {fraction} is None else (tf.config.experimental.get_memory_info("CPU:0")["current"]
-                                          + int({fraction} * transient))
+fraction = {fraction}
+budget = None if fraction is None else (tf.config.experimental.get_memory_info("CPU:0")["current"]
+                                        + int(fraction * transient))
 managed = capuchin_tf.function(step, memory_budget=budget)
 peaks, losses = [], []
 with warnings.catch_warnings(record=True) as caught:
@@ -129,8 +130,8 @@ print(json.dumps(dict(plain=plain, managed=dict(losses=losses, digest=digest(var
 # (kind, transient fraction, device MiB: more than the budget). The budget is persistent + fraction x the transient
 # peak. Tensors made in loop bodies (the GRU's per-step state, kept in tensor lists; the while loop's) or in cond
 # branches are not managed: the GRU and while steps have most of their memory outside their loops. The update-in-cond
-# step has all of it in a cond branch, so it is checked with no budget (the device's): nothing to save, it measures
-# (which failed before) and runs plain. float16 matmuls on a CPU take float32 temporaries inside the kernel: the
+# step has all of it in a cond branch, so it is checked with a budget above its peak (which, before, returned an empty
+# loss and skipped the update). float16 matmuls on a CPU take float32 temporaries inside the kernel: the
 # loss-scale step needs more than half.
 CASES = [
     # a user's guard on a finite loss: pinning the order once added control edges through ops of the untaken branch
@@ -144,8 +145,9 @@ CASES = [
     ("while", 0.65, 96),
     # a global norm makes every gradient a predecessor of every update: "449 nodes in a cycle" in the passive step
     ("clip", 0.5, 64),
-    # the whole update inside a cond: "TraceError: op 'gradient_tape/Tile' appears twice"
-    ("update-in-cond", None, 64),
+    # the whole update inside a cond (the review saw "TraceError: op 'gradient_tape/Tile' appears twice"; the code
+    # this test was written against returned an empty loss, like "cond")
+    ("update-in-cond", 1.25, 64),
     # a tf.random.Generator's state is written by RngReadAndSkip, not by a variable assignment
     ("generator", 0.5, 64),
 ]
@@ -160,8 +162,5 @@ def test_a_step_with_control_flow_trains_guided_bit_for_bit_under_the_budget(sim
                          env={"TF_NUM_INTEROP_THREADS": "1"})
     assert r["managed"] == r["plain"], r
     assert not r["warnings"], r
-    if fraction is None:  # no budget: measured, then nothing to save
-        assert r["phases"] == ["measured"] + ["plain"] * (STEPS - 1), r
-        return
     assert r["phases"] == ["measured"] + ["guided"] * (STEPS - 1), r
     assert r["peak"] <= r["budget"], r
