@@ -99,10 +99,15 @@ print(json.dumps(result))
 BUDGET_MB, STEPS = 139, 5
 
 
+_PLAIN: list = []  # for the whole process (under pytest-xdist a waiting worker tears module fixtures down)
+
+
 @pytest.fixture(scope="module")
 def plain_reference(simulated_device):
-    return simulated_device(RUN.format(policy="tf", link="native", steps=STEPS, budget=None), limit_mb=4096,
-                            timeout=600)
+    if not _PLAIN:
+        _PLAIN.append(simulated_device(RUN.format(policy="tf", link="native", steps=STEPS, budget=None),
+                                       limit_mb=4096, timeout=600))
+    return _PLAIN[0]
 
 
 def test_plain_tensorflow_does_not_fit_the_budget(simulated_device):

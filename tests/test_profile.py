@@ -23,10 +23,15 @@ def variables_digest(setup):
     return h.hexdigest()
 
 
+_MEASURED: dict = {}  # for the whole process (under pytest-xdist a waiting worker tears module fixtures down)
+
+
 @pytest.fixture(scope="module")
 def measured():
     """One measured step per quick model (passive mode on, enough memory), plus a plain run to compare with."""
-    out = {}
+    out = _MEASURED
+    if out:
+        return out
     for name, batch in QUICK:
         plain = models.build(name, batch)
         plain_losses = [float(plain.train_step(*plain.inputs)) for _ in range(2)]
