@@ -112,9 +112,9 @@ _CUSTOM: dict[str, tuple[int, str, bool]] = {
     "grad-accum": (2048, "MLP (784-512x8-10), gradients summed into variables and applied in a tf.cond every 2 steps "
                          "(then zeroed), SGD", True),
     "gan": (2048, "MLP GAN: generator 64-256-512-784 (tanh, BatchNorm) and discriminator 784-512-256-1, two Adam "
-                  "optimizers in one step; returns d_loss + g_loss", True),
+                  "optimizers in one step; returns d_loss + g_loss", False),
     "random-generator": (2048, "MLP (784-512x8-10) with tf.random.Generator noise added to its inputs, SGD", True),
-    "dropout": (2048, "MLP (784-512x8-10) with GaussianNoise and Dropout after every layer, SGD", True),
+    "dropout": (2048, "MLP (784-512x8-10) with GaussianNoise and Dropout after every layer, SGD", False),
     "finite-guard": (2048, "MLP (784-512x8-10) whose step applies the update in a user's tf.cond on a finite loss, "
                            "SGD momentum", True),
     "cnn-dropout": (128, "small CNN @32x32 with Dropout, SpatialDropout2D and GaussianNoise, SGD", False),

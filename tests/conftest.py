@@ -64,16 +64,3 @@ def _assert_plan_fits_policy(policy: str, counts: dict) -> None:
 def assert_plan_fits_policy():
     return _assert_plan_fits_policy
 
-
-# The test command runs two pytest-xdist workers (`-n 2 --dist loadgroup`). A module with module-scoped fixtures
-# (a plain TensorFlow run, a measured profile) stays on one worker, so its fixtures are set up once; the other tests
-# go wherever a worker is free.
-_ONE_WORKER_MODULES = ("test_quick_tier", "test_profile", "test_decorator", "test_models", "test_rewrite_plan",
-                       "test_op_inputs", "test_fail_safe")
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
-        if module in _ONE_WORKER_MODULES:
-            item.add_marker(pytest.mark.xdist_group(module))

@@ -128,8 +128,7 @@ def test_case_selection():
     with pytest.raises(ValueError, match="unknown zoo case 'nope'"):
         zoo.select("nope")
     ci = {c.name for c in zoo.select(ci=True)}
-    assert ci == {"zoo/finite-guard", "zoo/clip-global-norm", "zoo/random-generator", "zoo/dropout", "zoo/grad-accum",
-                  "zoo/gan"}
+    assert ci == {"zoo/finite-guard", "zoo/clip-global-norm", "zoo/random-generator", "zoo/grad-accum"}
 
 
 def test_bad_arguments(tmp_path, capsys):
