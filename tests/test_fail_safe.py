@@ -23,6 +23,13 @@ def digest(variables):
     return h.hexdigest()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def small_pool_taken():
+    """The small-tensor pool (up to 8 MiB of the device) is taken at a process's first managed step: taken here, before
+    any test reads what is on the device, whichever test runs first in the process (pytest-xdist)."""
+    capuchin_tf.function(tf.function(lambda x: x * 2.0))(tf.ones([4]))
+
+
 def budget_now(transient_mib=6):
     """What is on the device now plus `transient_mib`: for the mlp at batch 256 (13.4 MiB of weights, a transient
     peak of about 9.5 MiB) a budget that needs a plan; earlier models of this process may still be on the device."""
