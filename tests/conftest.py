@@ -63,4 +63,3 @@ def _assert_plan_fits_policy(policy: str, counts: dict) -> None:
 @pytest.fixture(scope="session")
 def assert_plan_fits_policy():
     return _assert_plan_fits_policy
-

@@ -2,6 +2,7 @@
 that plain TensorFlow cannot fit, with plain TensorFlow's numbers bit for bit (each budgeted run in a fresh process).
 """
 
+import functools
 import hashlib
 
 import numpy as np
@@ -99,15 +100,15 @@ print(json.dumps(result))
 BUDGET_MB, STEPS = 139, 5
 
 
-_PLAIN: list = []  # for the whole process (under pytest-xdist a waiting worker tears module fixtures down)
+@functools.cache  # for the whole process (under pytest-xdist a waiting worker tears module fixtures down)
+def _plain_reference(simulated_device):
+    return simulated_device(RUN.format(policy="tf", link="native", steps=STEPS, budget=None), limit_mb=4096,
+                            timeout=600)
 
 
 @pytest.fixture(scope="module")
 def plain_reference(simulated_device):
-    if not _PLAIN:
-        _PLAIN.append(simulated_device(RUN.format(policy="tf", link="native", steps=STEPS, budget=None),
-                                       limit_mb=4096, timeout=600))
-    return _PLAIN[0]
+    return _plain_reference(simulated_device)
 
 
 def test_plain_tensorflow_does_not_fit_the_budget(simulated_device):

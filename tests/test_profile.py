@@ -1,5 +1,6 @@
 """The measured execution on the quick tier: a real step, its trace, and the same numbers as plain TensorFlow."""
 
+import functools
 import hashlib
 import subprocess
 import sys
@@ -23,15 +24,15 @@ def variables_digest(setup):
     return h.hexdigest()
 
 
-_MEASURED: dict = {}  # for the whole process (under pytest-xdist a waiting worker tears module fixtures down)
-
-
 @pytest.fixture(scope="module")
 def measured():
+    return _measured()
+
+
+@functools.cache  # for the whole process (under pytest-xdist a waiting worker tears module fixtures down)
+def _measured():
     """One measured step per quick model (passive mode on, enough memory), plus a plain run to compare with."""
-    out = _MEASURED
-    if out:
-        return out
+    out = {}
     for name, batch in QUICK:
         plain = models.build(name, batch)
         plain_losses = [float(plain.train_step(*plain.inputs)) for _ in range(2)]

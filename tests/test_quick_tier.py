@@ -7,6 +7,8 @@ Each run is a `bench` worker in a fresh process on the simulated device (the sam
 `python -m capuchin_tf bench equal --model M --batch B --transient-fraction F --policy P --link p100 --steps 5`).
 """
 
+import functools
+
 import pytest
 
 from capuchin_tf.bench_cli import run_worker
@@ -34,21 +36,16 @@ def worker(model, batch, policy, budget_mb, steps=STEPS, device_mb=None):
 # equal`), not a CI test: CI runs capuchin on every model, swap-only and recompute-only on the mlp and the cnn.
 RUNS = [(m, p) for m in MODELS for p in POLICIES if p == "capuchin" or m[0] in ("mlp", "cnn")]
 
-# Kept for the whole process: the runs are costly, and tests of one model may run apart (pytest-xdist).
-_REFERENCES: dict = {}
 
-
+@functools.cache  # for the whole process: costly, and tests of one model may run apart (pytest-xdist)
 def reference_for(model_case):
     """Plain TensorFlow with enough memory, the budget it gives, and plain TensorFlow at that budget."""
     model, batch, fraction = model_case
-    if model_case not in _REFERENCES:
-        plain = worker(model, batch, "tf", 4096)
-        assert plain["ok"], plain["error"]
-        budget_mb = fraction_budget_mb(plain["persistent_bytes"], plain["peak_bytes"], fraction)
-        at_budget = worker(model, batch, "tf", budget_mb, steps=1)
-        _REFERENCES[model_case] = dict(model=model, batch=batch, plain=plain, budget_mb=budget_mb,
-                                       at_budget=at_budget)
-    return _REFERENCES[model_case]
+    plain = worker(model, batch, "tf", 4096)
+    assert plain["ok"], plain["error"]
+    budget_mb = fraction_budget_mb(plain["persistent_bytes"], plain["peak_bytes"], fraction)
+    at_budget = worker(model, batch, "tf", budget_mb, steps=1)
+    return dict(model=model, batch=batch, plain=plain, budget_mb=budget_mb, at_budget=at_budget)
 
 
 @pytest.mark.parametrize("model_case", MODELS, ids=[m for m, _, _ in MODELS])
