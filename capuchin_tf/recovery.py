@@ -215,3 +215,93 @@ class Snapshot:
                 ref=self.handles[i], begin=tf.zeros([len(shape)], tf.int32), end=tf.constant(shape, tf.int32),
                 strides=tf.ones([len(shape)], tf.int32), value=tf.constant(value, dtype=self.dtypes[i]))
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Compaction:
+    """What `compact_variables` did: how many variables it laid out again and their bytes, and the device's largest
+    free run before and after."""
+
+    variables: int
+    bytes: int
+    largest_free_before: int
+    largest_free_after: int
+
+
+def _variable_handles(handles: Sequence) -> list:
+    seen, out = set(), []
+    for h in handles:
+        if id(h) in seen or variable_dtype(h) is None:
+            continue
+        seen.add(id(h))
+        out.append(h)
+    return out
+
+
+@tf.function(autograph=False, reduce_retracing=True)
+def _place(handles, values):
+    """Assigns values[i] to handles[i] in order, each from a device copy that only the assignment holds, so that the
+    variable adopts it (AssignVariableOp takes over a buffer nobody else uses) and the device allocates each
+    variable's buffer exactly once, one after the other."""
+    previous = None
+    for handle, value in zip(handles, values):
+        with tf.control_dependencies([previous] if previous is not None else []):
+            copy = tf.raw_ops.Snapshot(input=value)  # a device buffer of its own (the argument stays the caller's)
+        previous = copy
+        tf.raw_ops.AssignVariableOp(resource=handle, value=copy, validate_shape=False)
+
+
+def compact_variables(handles: Sequence) -> Compaction | None:
+    """Lays the variables among `handles` (a function's captures) out again in one run of the simulated device's
+    memory, largest first, and returns what it did; None when the device is not the simulated one (no memory map to
+    read) or there is nothing to move. Values and shapes are unchanged, bit for bit.
+
+    Why: a model's variables are placed wherever BFC's best fit put them while the model was built, between the
+    temporaries of their initializers; when those temporaries are freed, the variables stay scattered, and the holes
+    between them are all the room a step has. On a device the size of the budget, a step can then fail for want of
+    one free run of a few MiB with far more free in pieces (a GAN at 39 MiB: a 6.12 MiB weight in the middle of the
+    free memory, 10.4 MiB free in runs of at most 4.69 MiB). Freed and allocated again one after the other, the
+    variables fill one run, and the step's free memory is one run too.
+
+    How: host copies of every variable; each variable set to an empty tensor (its buffer freed); then, largest first,
+    each allocated again from its copy. With the largest free run then at least the variables' bytes (the usual case:
+    the device holds little else between steps), every allocation fits (BFC on the simulated device splits chunks
+    exactly, and best fit leaves that run at least as large as what is still to come). Otherwise an allocation can
+    fail: then the variables not yet placed adopt their host copies (values intact, outside the device) and
+    CompactionError is raised. The small-tensor pool is off while the variables are placed, and on after (the state
+    of a managed call).
+    """
+    from capuchin_tf import ops
+
+    stats = ops.allocator_stats()
+    if not stats["wrapped"] or stats["largest_free"] < 0:
+        return None
+    variables = _variable_handles(handles)
+    if not variables:
+        return None
+    dtypes = [variable_dtype(h) for h in variables]
+    values = [np.array(gen_resource_variable_ops.read_variable_op(h, d), copy=True) for h, d in zip(variables, dtypes)]
+    order = sorted(range(len(variables)), key=lambda i: -values[i].nbytes)
+    moved = sum(v.nbytes for v in values)
+    before = stats["largest_free"]
+    ops.set_small_pool(False)  # every variable on the device proper, whatever its size (the pool is for transients)
+    try:
+        for h, d in zip(variables, dtypes):
+            tf.raw_ops.AssignVariableOp(resource=h, value=tf.zeros([0], d), validate_shape=False)
+        try:
+            _place([variables[i] for i in order], [tf.constant(values[i], dtype=dtypes[i]) for i in order])
+        except tf.errors.ResourceExhaustedError as e:
+            for h, d, value in zip(variables, dtypes, values):
+                if gen_resource_variable_ops.variable_shape(h).numpy().tolist() != list(value.shape):
+                    tf.raw_ops.AssignVariableOp(resource=h, value=tf.constant(value, dtype=d), validate_shape=False)
+            raise CompactionError(
+                f"capuchin_tf: the device's memory is split so that its {len(variables)} variables "
+                f"({moved / 2**20:.2f} MiB) could not be laid out again in it ({e.message.splitlines()[0]}); their "
+                "values are unchanged") from e
+    finally:
+        ops.set_small_pool(True)
+    return Compaction(len(variables), moved, before, ops.allocator_stats()["largest_free"])
+
+
+class CompactionError(RuntimeError):
+    """`compact_variables` could not allocate the variables again (see there)."""

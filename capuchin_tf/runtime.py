@@ -399,6 +399,16 @@ class ManagedStep:
         except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
             self._refuse(state, f"its measured step could not be built ({type(e).__name__}: {e})")
             return self._plain(state, args)
+        if self.budget_bytes is not None:
+            # The variables in one run of memory, so that the step's free memory is one run too (recovery.py).
+            try:
+                done = recovery.compact_variables([external for external, _ in state.concrete.graph.captures])
+            except recovery.CompactionError as e:
+                raise BudgetError(str(e)) from e
+            if done is not None and self.verbose:
+                print(f"capuchin_tf: laid out {done.variables} variables ({format_bytes(done.bytes)}) in one run; "
+                      f"the device's largest free run {format_bytes(done.largest_free_before)} -> "
+                      f"{format_bytes(done.largest_free_after)}", flush=True)
         state.snapshot.take()
         retried = 0
         while True:

@@ -429,14 +429,21 @@ void CapuchinAllocator::RecordRefusal(size_t num_bytes) {
   r.bytes = static_cast<int64_t>(num_bytes);
   if (bfc_ != nullptr) {
     r.in_use = bfc_->GetStats()->bytes_in_use;
-    for (const HostStore::ChunkSpan& c : *ChunkMap()) {
-      if (!c.in_use) r.largest_free = std::max(r.largest_free, c.size);
-    }
+    r.largest_free = LargestFreeChunk();
   }
   r.op = std::string(tsl::profiler::ScopedMemoryDebugAnnotation::CurrentAnnotation().pending_op_name);
   std::lock_guard<std::mutex> lock(refusal_mu_);
   r.count = last_refusal_.count + 1;
   last_refusal_ = std::move(r);
+}
+
+int64_t CapuchinAllocator::LargestFreeChunk() {
+  if (bfc_ == nullptr) return -1;
+  int64_t largest = 0;
+  for (const HostStore::ChunkSpan& c : *ChunkMap()) {
+    if (!c.in_use) largest = std::max(largest, c.size);
+  }
+  return largest;
 }
 
 CapuchinAllocator::Refusal CapuchinAllocator::LastRefusal() {

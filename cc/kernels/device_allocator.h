@@ -74,6 +74,8 @@ class CapuchinAllocator : public Allocator {
     std::string op;
   };
   Refusal LastRefusal();
+  // The simulated device's largest free chunk now, in bytes (-1 when the device is not the simulated one).
+  int64_t LargestFreeChunk();
 
   // The small-tensor pool's statistics (nullopt without a pool).
   std::optional<AllocatorStats> SmallPoolStats() const;

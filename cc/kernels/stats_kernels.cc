@@ -53,6 +53,8 @@ class AllocatorStatsOp : public OpKernel {
     }
     OP_REQUIRES_OK(ctx, ctx->allocate_output(12, TensorShape({}), &out));
     out->scalar<tstring>()() = refusal.op;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(13, TensorShape({}), &out));
+    out->scalar<int64_t>()() = capuchin != nullptr ? capuchin->LargestFreeChunk() : -1;
   }
 };
 

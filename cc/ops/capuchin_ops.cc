@@ -291,6 +291,7 @@ REGISTER_OP("Capuchin>AllocatorStats")
     .Output("refused_in_use: int64")
     .Output("refused_largest_free: int64")
     .Output("refused_op: string")
+    .Output("largest_free: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->Scalar());
@@ -302,7 +303,8 @@ none, as the CPU allocator does unless TF_CPU_ALLOCATOR_USE_BFC=true), and wheth
 wrapper (false when capuchin_tf was loaded after TensorFlow had created its devices); the same three for the
 wrapper's small-tensor pool (-1 without one); the memory budget set by Capuchin>SetMemoryBudget (0: none); and the
 last allocation the wrapper could not satisfy: how many so far, its bytes, the device's bytes in use and its largest
-free chunk at that moment, and the op that asked.
+free chunk at that moment, and the op that asked; then the device's largest free chunk now (-1 unless the device is
+the simulated one, whose memory map the wrapper reads).
 )doc");
 
 }  // namespace capuchin

@@ -1,0 +1,93 @@
+"""`recovery.compact_variables`: the variables laid out again in one run of the simulated device's memory.
+
+Each test runs in a fresh process on a simulated device, where the variables are made scattered on purpose: each
+one allocated between temporaries that are freed, so that the free memory is split by them.
+"""
+
+from conftest import run_on_simulated_device
+
+MiB = 1 << 20
+
+SCATTERED = """
+import json
+import numpy as np
+import tensorflow as tf
+from capuchin_tf import ops, recovery
+
+MiB = 1 << 20
+rng = np.random.default_rng(0)
+shapes = [(6 * MiB // 4,), (256, 1024), (MiB // 4 + 7,), (2, 3)]
+# The handles first (on the CPU device a resource handle is a small device allocation of its own, which compaction
+# cannot move), then each variable's buffer between two temporaries that are freed below: the variables end up in
+# the middle of the free memory, as a model's do between the temporaries of their initializers.
+variables = [tf.Variable(tf.zeros([0]), shape=tf.TensorShape(None)) for _ in shapes]
+counter = tf.Variable(tf.zeros([0], tf.int64), shape=tf.TensorShape(None))
+half = tf.Variable(tf.zeros([0], tf.float16), shape=tf.TensorShape(None))
+temporaries, before = [], []
+for v, shape in zip(variables, shapes):
+    temporaries.append(tf.raw_ops.Snapshot(input=np.ones(3 * MiB // 4, np.float32)))  # 3 MiB, freed below
+    values = rng.standard_normal(shape).astype(np.float32)
+    values.flat[0] = -0.0  # a negative zero and a NaN survive bit for bit
+    values.flat[-1] = np.nan
+    tf.raw_ops.AssignVariableOp(resource=v.handle, value=tf.raw_ops.Snapshot(input=values), validate_shape=False)
+tf.raw_ops.AssignVariableOp(resource=counter.handle, value=tf.raw_ops.Snapshot(input=np.int64(7)),
+                            validate_shape=False)
+tf.raw_ops.AssignVariableOp(resource=half.handle, value=tf.raw_ops.Snapshot(input=np.float16([1.5, -2.25])),
+                            validate_shape=False)
+temporaries.append(tf.raw_ops.Snapshot(input=np.ones(20 * MiB // 4, np.float32)))
+del temporaries
+handles = [v.handle for v in variables] + [counter.handle, half.handle, variables[0].handle]
+read = lambda: [v.numpy().tobytes() for v in variables + [counter, half]]
+before = read()
+in_use = ops.allocator_stats()["bytes_in_use"]
+done = recovery.compact_variables(handles)
+after = read()
+stats = ops.allocator_stats()
+variables[1].assign_add(tf.ones([256, 1024]))  # still a working variable
+print(json.dumps({{"same": before == after, "variables": done.variables, "bytes": done.bytes,
+                   "largest_before": done.largest_free_before, "largest_after": done.largest_free_after,
+                   "in_use_before": in_use, "in_use_after": stats["bytes_in_use"], "limit": stats["bytes_limit"],
+                   "small_pool": max(stats["small_pool_bytes_limit"], 0),
+                   "shapes": [list(s) for s in shapes], "read_shapes": [list(v.numpy().shape) for v in variables],
+                   "assign_ok": bool(np.array_equal(variables[1].numpy(),
+                                                    np.frombuffer(before[1], np.float32).reshape(256, 1024) + 1,
+                                                    equal_nan=True))}}))
+"""
+
+
+def test_compaction_puts_the_free_memory_in_one_run():
+    r = run_on_simulated_device(SCATTERED.format(), limit_mb=64)
+    assert r["same"], "a value changed"
+    assert r["shapes"] == r["read_shapes"]
+    assert r["assign_ok"]
+    assert r["variables"] == 6  # the handle given twice counts once
+    # Nothing left behind: each variable rounded to 256 bytes, and the small-tensor pool's region, which the pool takes
+    # at its first allocation once it is on (compaction leaves it on, as in a managed call).
+    assert r["in_use_after"] <= r["in_use_before"] + 6 * 256 + r["small_pool"], r
+    free = r["limit"] - r["in_use_after"]
+    # Before: the variables split the free memory (holes of 3 MiB below each and the run above them).
+    assert r["largest_before"] < free - 10 * MiB, r
+    # After: one run, but for the handles and what the small pool's region takes.
+    assert r["largest_after"] >= free - 64 * 1024, r
+
+
+NOT_SIMULATED = """
+import json
+import tensorflow as tf
+from capuchin_tf import recovery
+v = tf.Variable([1.0, 2.0])
+print(json.dumps({{"done": recovery.compact_variables([v.handle]) is None, "value": v.numpy().tolist()}}))
+"""
+
+
+def test_compaction_needs_the_simulated_device():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_CPU_")}
+    out = subprocess.run([sys.executable, "-c", NOT_SIMULATED.format()], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r == {"done": True, "value": [1.0, 2.0]}
