@@ -511,8 +511,9 @@ def _run(a: argparse.Namespace) -> int:
         print(f"  throughput after settling: {data['throughput_ratio']:.3f}x plain TensorFlow (median step "
               f"{managed['settled_median_step_s']:.3f} s over {managed['settled_steps']} steps, plain "
               f"{plain['settled_median_step_s']:.3f} s)")
+    compared = "yes" if equal else ("NO" if managed["ok"] else "not compared (the run failed)")
     print(f"  plain TensorFlow: peak {plain['peak_bytes'] / MiB:.1f} MiB on {a.device_mb} MiB; losses and "
-          f"variables bit-for-bit equal to it: {'yes' if equal else 'NO'}")
+          f"variables bit-for-bit equal to it: {compared}")
     print(f"  result written to {a.json}")
     return 0 if equal else 1
 
