@@ -84,6 +84,49 @@ class StateWrites:
         return tuple(sorted({i for idx in self.writers.values() for i in idx}))
 
 
+def _capture_sources(nodes: Mapping, args: Mapping[str, int], n_user_inputs: int, ref: str) -> set[int] | None:
+    """Capture indices a resource handle `ref` may come from (through HANDLE_PASS_THROUGH_OPS); None if some path
+    ends elsewhere (a resource the caller passed in, or one the step makes)."""
+    found: set[int] = set()
+    stack, seen = [_split(ref)], set()
+    while stack:
+        name, slot = stack.pop()
+        if (name, slot) in seen:
+            continue
+        seen.add((name, slot))
+        node = nodes.get(name)
+        if node is None:
+            return None
+        if name in args:
+            if args[name] < n_user_inputs:
+                return None  # a resource passed in by the caller, not a capture
+            found.add(args[name] - n_user_inputs)
+        elif node.op in HANDLE_PASS_THROUGH_OPS:
+            data = [i for i in node.input if not i.startswith("^")]
+            if node.op in ("Merge", "RefMerge"):
+                stack.extend(_split(i) for i in data)
+            elif node.op == "IdentityN":
+                stack.append(_split(data[slot]))
+            elif data:
+                stack.append(_split(data[0]))
+        else:
+            return None
+    return found
+
+
+def variable_reads(graph_def, n_user_inputs: int) -> dict[int, tuple[str, ...]]:
+    """Capture index -> the ReadVariableOp nodes of a step's optimized GraphDef that read it."""
+    nodes = {n.name: n for n in graph_def.node}
+    args = {n.name: n.attr["index"].i for n in graph_def.node if n.op == "_Arg"}
+    reads: dict[int, list[str]] = collections.defaultdict(list)
+    for node in graph_def.node:
+        if node.op != "ReadVariableOp" or not node.input:
+            continue
+        for i in _capture_sources(nodes, args, n_user_inputs, node.input[0]) or ():
+            reads[i].append(node.name)
+    return {i: tuple(names) for i, names in reads.items()}
+
+
 def state_writes(graph_def, n_user_inputs: int) -> StateWrites:
     """The writes of a step's optimized GraphDef (see the module docstring). Its `_Arg` nodes are the function's
     inputs by index: the user's `n_user_inputs` first, then the captures."""
@@ -91,32 +134,7 @@ def state_writes(graph_def, n_user_inputs: int) -> StateWrites:
     args = {n.name: n.attr["index"].i for n in graph_def.node if n.op == "_Arg"}
 
     def sources(ref: str) -> set[int] | None:
-        """Capture indices a handle may come from; None if some path ends elsewhere."""
-        found: set[int] = set()
-        stack, seen = [_split(ref)], set()
-        while stack:
-            name, slot = stack.pop()
-            if (name, slot) in seen:
-                continue
-            seen.add((name, slot))
-            node = nodes.get(name)
-            if node is None:
-                return None
-            if name in args:
-                if args[name] < n_user_inputs:
-                    return None  # a resource passed in by the caller, not a capture
-                found.add(args[name] - n_user_inputs)
-            elif node.op in HANDLE_PASS_THROUGH_OPS:
-                data = [i for i in node.input if not i.startswith("^")]
-                if node.op in ("Merge", "RefMerge"):
-                    stack.extend(_split(i) for i in data)
-                elif node.op == "IdentityN":
-                    stack.append(_split(data[slot]))
-                elif data:
-                    stack.append(_split(data[0]))
-            else:
-                return None
-        return found
+        return _capture_sources(nodes, args, n_user_inputs, ref)
 
     writers: dict[str, tuple[int, ...]] = {}
     unknown: list[str] = []

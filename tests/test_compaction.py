@@ -4,8 +4,6 @@ Each test runs in a fresh process on a simulated device, where the variables are
 one allocated between temporaries that are freed, so that the free memory is split by them.
 """
 
-from conftest import run_on_simulated_device
-
 MiB = 1 << 20
 
 SCATTERED = """
@@ -55,8 +53,8 @@ print(json.dumps({{"same": before == after, "variables": done.variables, "bytes"
 """
 
 
-def test_compaction_puts_the_free_memory_in_one_run():
-    r = run_on_simulated_device(SCATTERED.format(), limit_mb=64)
+def test_compaction_puts_the_free_memory_in_one_run(simulated_device):
+    r = simulated_device(SCATTERED.format(), limit_mb=64)
     assert r["same"], "a value changed"
     assert r["shapes"] == r["read_shapes"]
     assert r["assign_ok"]

@@ -94,3 +94,41 @@ def test_a_read_through_views_reads_clones_of_the_views_on_the_new_tensor():
     assert list(nodes["capuchin/swap_in/t_0/view/r"].input) == ["new", "shape"]
     assert list(nodes["neg"].input) == ["new"]
     assert list(nodes["r"].input) == ["t", "shape"]  # the original views are untouched
+
+
+def test_updates_wait_for_the_readers_of_the_value_they_overwrite():
+    """rewrite.writes_after_reads: an update whose variable's earlier read is still to be read (here by a MatMul that
+    nothing orders before the update) waits for that reader, so it writes in place instead of copying the variable
+    to a new buffer; a read after the update (the new value) gets no edge (it would close a cycle); same numbers."""
+    from capuchin_tf import recovery
+
+    w = tf.Variable(tf.reshape(tf.range(12, dtype=tf.float32), [3, 4]))
+
+    @tf.function
+    def step(x, g):
+        y = tf.matmul(x, w)  # reads w's value; nothing orders the update below after it
+        w.assign_sub(g)
+        z = tf.reduce_sum(w)  # reads the new value
+        return y, z
+
+    x, g = tf.ones([2, 3]), tf.fill([3, 4], 0.5)
+    concrete = step.get_concrete_function(x, g)
+    graph_def = capture.optimized_graph(concrete, (x, g))
+    n_user = 2
+    writes = recovery.state_writes(graph_def, n_user)
+    reads = recovery.variable_reads(graph_def, n_user)
+    assert len(writes.writers) == 1 and len(reads) == 1 and len(next(iter(reads.values()))) == 2
+    edited, added = rewrite.writes_after_reads(graph_def, writes.writers, reads)
+    nodes = {n.name: n for n in edited.node}
+    (writer,) = writes.writers
+    waits_for = {i[1:] for i in nodes[writer].input if i.startswith("^")}
+    matmuls = [n.name for n in edited.node if n.op == "MatMul"]
+    assert matmuls and set(matmuls) <= waits_for, (matmuls, waits_for)
+    sums = [n.name for n in edited.node if n.op == "Sum"]
+    assert sums and not set(sums) & waits_for  # the read of the new value comes after the update
+    assert added >= 1
+    expected = [t.numpy() for t in step(x, g)]
+    w.assign(tf.reshape(tf.range(12, dtype=tf.float32), [3, 4]))
+    fn = rewrite.rebuild(concrete, edited)
+    got = [t.numpy() for t in rewrite.call_without_grappler(fn, x, g)]
+    assert all(np.array_equal(a, b) for a, b in zip(expected, got))
