@@ -402,6 +402,10 @@ def _worker_args(a: argparse.Namespace, policy: str, budget_mb: int) -> list[str
 
 
 def _write(path: str, data: dict) -> None:
+    """Writes a bench result, stamped with the commit it was measured on (zoo.git_commit)."""
+    from capuchin_tf.zoo import git_commit
+
+    data = {"commit": git_commit(), **data}
     try:
         pathlib.Path(path).write_text(json.dumps(data, indent=1))
     except OSError as e:

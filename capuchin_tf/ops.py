@@ -185,11 +185,13 @@ def allocator_stats(device: str = "/device:CPU:0") -> dict[str, int | bool]:
     same three for the wrapper's small-tensor pool (-1 without one; the pool's region counts in the device's bytes in
     use as one allocation), the memory budget set by `set_memory_budget` (`budget_bytes`, 0: none), and the last
     allocation the wrapper could not satisfy (`refusals` so far; `refused_bytes`, the device's `refused_in_use` and
-    `refused_largest_free` chunk at that moment, `refused_op`); and the device's `largest_free` chunk now (-1 unless
-    the device is the simulated one)."""
+    `refused_largest_free` chunk at that moment, `refused_op`, and the bytes capuchin_tf's host store held on the device
+    then, shared with ops that ran or waited to run, `refused_store_shared`, or evictable, `refused_store_idle`); and
+    the device's `largest_free` chunk now (-1 unless the device is the simulated one)."""
     with tf.device(device):
         (in_use, peak, limit, wrapped, small_in_use, small_peak, small_limit, budget, refusals, refused_bytes,
-         refused_in_use, refused_largest_free, refused_op, largest_free) = _ops.capuchin_allocator_stats()
+         refused_in_use, refused_largest_free, refused_op, largest_free, refused_store_shared,
+         refused_store_idle) = _ops.capuchin_allocator_stats()
     return {
         "bytes_in_use": int(in_use),
         "peak_bytes_in_use": int(peak),
@@ -205,4 +207,6 @@ def allocator_stats(device: str = "/device:CPU:0") -> dict[str, int | bool]:
         "refused_largest_free": int(refused_largest_free),
         "refused_op": refused_op.numpy().decode(),
         "largest_free": int(largest_free),
+        "refused_store_shared": int(refused_store_shared),
+        "refused_store_idle": int(refused_store_idle),
     }

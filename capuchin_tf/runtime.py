@@ -89,6 +89,24 @@ def oom_line(error: Exception) -> str:
     return next((ln for ln in lines if "OOM when allocating" in ln), lines[0])[:300]
 
 
+def in_use_breakdown(in_use: int, start_bytes: int, stats: Mapping) -> str:
+    """What the device's `in_use` bytes at an allocation's refusal were: the persistent state in use when the step
+    started, the tensors of capuchin_tf's pool that ops running or waiting to run held, those only the pool held (it
+    could have evicted them: they were not where the allocation needed room), and the rest: what capuchin_tf does not
+    manage (op temporaries and workspaces, tensors of cond branches and loop bodies, tensors it did not pool, copies
+    of variables an update made)."""
+    persistent = min(start_bytes, in_use)
+    shared, idle = stats.get("refused_store_shared", 0), stats.get("refused_store_idle", 0)
+    other = max(in_use - persistent - shared - idle, 0)
+    parts = [f"{format_bytes(persistent)} persistent state (variables, optimizer slots, the step's inputs)",
+             f"{format_bytes(shared)} of pooled tensors that running or waiting ops held"]
+    if idle:
+        parts.append(f"{format_bytes(idle)} of pooled tensors elsewhere on the device")
+    parts.append(f"{format_bytes(other)} that capuchin_tf does not manage (op temporaries and workspaces, tensors of "
+                 "cond branches and loop bodies, tensors it did not pool)")
+    return ", ".join(parts)
+
+
 class CapuchinError(RuntimeError):
     """A managed step failed in a way capuchin_tf cannot recover from, or (strict) a step it cannot manage; the
     message says what, and whether anything was written."""
@@ -138,6 +156,7 @@ class SignatureState:
     snapshot: recovery.Snapshot | None = None  # host copies of it
     floor_bytes: int = 0  # persistent bytes + the working-set floor (graph_model.working_set_floor)
     floor_op: str = ""
+    start_bytes: int = 0  # the device's bytes in use when the measured step started (persistent state)
     history: list = dataclasses.field(default_factory=list)  # StepRecord per call
     replans: int = 0
     steps_since_change: int = 0
@@ -413,6 +432,7 @@ class ManagedStep:
                       f"the device's largest free run {format_bytes(done.largest_free_before)} -> "
                       f"{format_bytes(done.largest_free_after)}", flush=True)
         state.snapshot.take()
+        state.start_bytes = tf.config.experimental.get_memory_info(DEVICE)["current"]
         retried = 0
         while True:
             tf.config.experimental.reset_memory_stats(DEVICE)
@@ -470,10 +490,9 @@ class ManagedStep:
             return BudgetError(
                 f"{head}It is below what this step needs at once under capuchin_tf: op {op!r} asked for "
                 f"{format_bytes(asked)} while {format_bytes(in_use)} were in use that passive mode could not evict "
-                "(what running ops hold, persistent state, tensors made or read in cond branches or loop bodies, "
-                f"tensors too small to pool): no budget below {format_bytes(in_use + asked)} can run this step "
-                f"(its working-set floor alone is {format_bytes(state.floor_bytes)}, at op {state.floor_op!r}). "
-                f"TensorFlow said: {oom_line(error)}")
+                f"({in_use_breakdown(in_use, state.start_bytes, stats)}): no budget below "
+                f"{format_bytes(in_use + asked)} can run this step (its working-set floor alone is "
+                f"{format_bytes(state.floor_bytes)}, at op {state.floor_op!r}). TensorFlow said: {oom_line(error)}")
         return BudgetError(
             f"{head}The device's free memory was split: op {op!r} asked for {format_bytes(asked)} with "
             f"{format_bytes(limit - in_use)} free, the largest free run {format_bytes(largest)}. A budget below the "

@@ -234,3 +234,31 @@ def test_two_threads_running_managed_steps_each_get_their_own_measurement_and_pl
         assert results[i] == mlp_plain[2][0] and digest(setups[i].variables) == mlp_plain[2][1]
         (report,) = steps[i].report().values()
         assert [s["phase"] for s in report["steps"]] == ["measured", "guided"], report
+
+
+def test_a_budget_below_what_the_step_needs_at_once_names_what_was_in_use():
+    # A float16 MatMul on the CPU converts its inputs and output to float32 inside the kernel (Eigen): about 10 MiB of
+    # temporaries no graph shows (2 MiB, then 6.12 MiB for x), so the working-set floor passes and the measured step
+    # runs out of memory in both its runs. The error splits what was in use into the persistent state, the pool's tensors and what capuchin_tf does
+    # not manage (here those temporaries), and the variable is as it was.
+    w = tf.Variable(tf.cast(tf.random.stateless_normal([784, 512], seed=[1, 2]), tf.float16))
+    x = tf.cast(tf.random.stateless_normal([2048, 784], seed=[3, 4]), tf.float16)
+
+    @tf.function
+    def step(x):
+        y = tf.matmul(x, w)
+        w.assign_sub(tf.cast(tf.reduce_mean(y), tf.float16) * tf.ones_like(w) * 1e-3)
+        return tf.cast(tf.reduce_sum(y), tf.float32)  # no float32 copy of y in the graph
+
+    before = digest([w])
+    budget = budget_now(transient_mib=7)  # above the MatMul's 5.8 MiB of inputs and output
+    managed = capuchin_tf.function(step, memory_budget=budget)
+    with pytest.raises(runtime.BudgetError) as caught:
+        managed(x)
+    message = str(caught.value)
+    assert "could not evict (" in message, message
+    assert "persistent state" in message and "that capuchin_tf does not manage" in message, message
+    value, unit = message.split(" that capuchin_tf does not manage")[0].rsplit(", ", 1)[-1].split()
+    assert unit == "MiB" and float(value) >= 1.0, message  # the kernel's first float32 temporary
+    assert "op 'MatMul' asked for 6.12 MiB" in message, message  # the float32 copy of x
+    assert digest([w]) == before

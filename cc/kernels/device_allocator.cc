@@ -431,6 +431,9 @@ void CapuchinAllocator::RecordRefusal(size_t num_bytes) {
     r.in_use = bfc_->GetStats()->bytes_in_use;
     r.largest_free = LargestFreeChunk();
   }
+  const HostStore::DeviceBytes held = HostStore::Global()->ResidentDeviceBytes();
+  r.store_shared = held.shared;
+  r.store_idle = held.idle;
   r.op = std::string(tsl::profiler::ScopedMemoryDebugAnnotation::CurrentAnnotation().pending_op_name);
   std::lock_guard<std::mutex> lock(refusal_mu_);
   r.count = last_refusal_.count + 1;

@@ -72,6 +72,9 @@ class CapuchinAllocator : public Allocator {
     int64_t in_use = 0;
     int64_t largest_free = 0;
     std::string op;
+    // What the host store held on the device then: shared with an op that runs or waits to run, and evictable.
+    int64_t store_shared = 0;
+    int64_t store_idle = 0;
   };
   Refusal LastRefusal();
   // The simulated device's largest free chunk now, in bytes (-1 when the device is not the simulated one).

@@ -476,6 +476,17 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
   return freed;
 }
 
+HostStore::DeviceBytes HostStore::ResidentDeviceBytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceBytes out;
+  for (const auto& kv : entries_) {
+    const Entry* e = kv.second.get();
+    if (!e->device.IsInitialized() || e->bytes <= 0) continue;
+    (e->device.RefCountIsOne() ? out.idle : out.shared) += e->bytes;
+  }
+  return out;
+}
+
 std::vector<Stall> HostStore::DrainStalls() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<Stall> out;

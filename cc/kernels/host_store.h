@@ -116,6 +116,13 @@ class HostStore {
   };
   // Traces only: a process-wide sequence number ordering allocations and hand-overs.
   static int64_t TraceSeq();
+  // The device bytes of the tensors the store holds, by whether another holder shares them: `shared`, an op that
+  // runs or waits to run (not evictable), `idle`, only the store (evictable).
+  struct DeviceBytes {
+    int64_t shared = 0;
+    int64_t idle = 0;
+  };
+  DeviceBytes ResidentDeviceBytes();
   int64_t EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks = nullptr, bool contiguous = true);
   // Copies in flight free device memory when they finish (a swap-out) or make an evictable tensor (a prefetch).
   // CopyGeneration: -1 when no copy is pending, else a number that changes each time one finishes; WaitForCopy

@@ -55,6 +55,10 @@ class AllocatorStatsOp : public OpKernel {
     out->scalar<tstring>()() = refusal.op;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(13, TensorShape({}), &out));
     out->scalar<int64_t>()() = capuchin != nullptr ? capuchin->LargestFreeChunk() : -1;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(14, TensorShape({}), &out));
+    out->scalar<int64_t>()() = refusal.store_shared;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(15, TensorShape({}), &out));
+    out->scalar<int64_t>()() = refusal.store_idle;
   }
 };
 

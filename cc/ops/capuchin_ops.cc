@@ -292,6 +292,8 @@ REGISTER_OP("Capuchin>AllocatorStats")
     .Output("refused_largest_free: int64")
     .Output("refused_op: string")
     .Output("largest_free: int64")
+    .Output("refused_store_shared: int64")
+    .Output("refused_store_idle: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->Scalar());
@@ -304,7 +306,8 @@ wrapper (false when capuchin_tf was loaded after TensorFlow had created its devi
 wrapper's small-tensor pool (-1 without one); the memory budget set by Capuchin>SetMemoryBudget (0: none); and the
 last allocation the wrapper could not satisfy: how many so far, its bytes, the device's bytes in use and its largest
 free chunk at that moment, and the op that asked; then the device's largest free chunk now (-1 unless the device is
-the simulated one, whose memory map the wrapper reads).
+the simulated one, whose memory map the wrapper reads); and what capuchin_tf's host store held on the device at the
+last refusal: bytes shared with ops that ran or waited to run, and bytes only the store held (evictable).
 )doc");
 
 }  // namespace capuchin
