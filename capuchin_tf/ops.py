@@ -120,6 +120,14 @@ def get(handle, dtype, shape=None) -> tf.Tensor:
     return _ops.capuchin_get(handle, dtype=tf.as_dtype(dtype), shape=tf.TensorShape(shape))
 
 
+def assign_in_place(handle, value) -> None:
+    """Writes `value` into the buffer of the variable `handle` refers to (a buffer of its own if that one is shared or
+    of another shape): unlike AssignVariableOp it never takes over the value's buffer, unlike
+    ResourceStridedSliceAssign it leaves the variable out of copy-on-read mode (recovery.Snapshot.restore)."""
+    value = tf.convert_to_tensor(value)
+    _ops.capuchin_assign_in_place(handle, value)
+
+
 def set_passive_mode(enabled: bool) -> None:
     """Passive mode: when an allocation would fail, evict pooled tensors to host memory and retry."""
     _ops.capuchin_set_passive_mode(tf.constant(bool(enabled)))

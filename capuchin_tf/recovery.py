@@ -30,6 +30,8 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
 
+from capuchin_tf import ops
+
 # Ops that take a resource and never change it.
 READ_ONLY_RESOURCE_OPS = frozenset({
     "ReadVariableOp", "_ReadVariablesOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
@@ -223,16 +225,15 @@ class Snapshot:
         for i, value in self.values.items():
             if only is not None and i not in only:
                 continue
-            # Written into the variable's own buffer (a strided-slice assignment of the whole variable), so that a
-            # restore allocates nothing on the device and moves no variable. An assignment would adopt a fresh
-            # device buffer: after a failed step that wrote most variables (an optimizer update), the restored
-            # variables were scattered over the device and split its free memory (seen on MobileNetV3Large at 68
-            # MiB: 34 MiB free and no room for a 4.7 MiB variable, the restore itself ran out of memory).
-            shape = value.shape
-            tf.raw_ops.ResourceStridedSliceAssign(
-                ref=self.handles[i], begin=tf.zeros([len(shape)], tf.int32), end=tf.constant(shape, tf.int32),
-                strides=tf.ones([len(shape)], tf.int32), value=tf.constant(value, dtype=self.dtypes[i]))
-
+            # Written into the variable's own buffer (ops.assign_in_place), so that a restore allocates nothing on
+            # the device and moves no variable (restored variables scattered over the device split its free memory:
+            # MobileNetV3Large at 68 MiB had 34 MiB free and no room for a 4.7 MiB variable). Not AssignVariableOp:
+            # it takes over its value's buffer, here host memory backed by the numpy array. Not
+            # ResourceStridedSliceAssign: it puts the variable in copy-on-read mode for good, after which every read
+            # of the variable copies it and every update copies it to a new buffer, in every later step (seen:
+            # MobileNetV2 at 39 MiB, the updates' copies split the device's free memory after the measured step's
+            # first attempt was restored).
+            ops.assign_in_place(self.handles[i], tf.constant(value, dtype=self.dtypes[i]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,8 +290,6 @@ def compact_variables(handles: Sequence) -> Compaction | None:
     CompactionError is raised. The small-tensor pool is off while the variables are placed, and on after (the state
     of a managed call).
     """
-    from capuchin_tf import ops
-
     stats = ops.allocator_stats()
     if not stats["wrapped"] or stats["largest_free"] < 0:
         return None

@@ -12,6 +12,7 @@ CAPUCHIN_OPS_SRCS = [
     "kernels/recorder_kernels.cc",
     "kernels/stats_kernels.cc",
     "kernels/device_allocator.cc",
+    "kernels/variable_kernels.cc",
 ]
 
 CAPUCHIN_OPS_HDRS = [

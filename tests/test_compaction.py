@@ -1,7 +1,9 @@
-"""`recovery.compact_variables`: the variables laid out again in one run of the simulated device's memory.
+"""Recovery and the device's memory: `recovery.compact_variables` lays the variables out again in one run of the
+simulated device's memory; `recovery.Snapshot.restore` writes into the variables' own buffers and leaves them as
+plain TensorFlow has them.
 
-Each test runs in a fresh process on a simulated device, where the variables are made scattered on purpose: each
-one allocated between temporaries that are freed, so that the free memory is split by them.
+Each test runs in a fresh process on a simulated device (the compaction test makes the variables scattered on
+purpose: each one allocated between temporaries that are freed, so that the free memory is split by them).
 """
 
 MiB = 1 << 20
@@ -89,3 +91,39 @@ def test_compaction_needs_the_simulated_device():
                          timeout=300, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r == {"done": True, "value": [1.0, 2.0]}
+
+
+RESTORE = """
+import json
+import numpy as np
+import tensorflow as tf
+from capuchin_tf import ops, recovery
+
+MiB = 1 << 20
+in_use = lambda: ops.allocator_stats()["bytes_in_use"]
+original = np.arange(MiB // 4, dtype=np.float32)
+v = tf.Variable(tf.raw_ops.Snapshot(input=original))  # 1 MiB on the device
+snapshot = recovery.Snapshot([v.handle], [0]).take()
+v.assign_add(tf.ones([MiB // 4]))
+before = in_use()
+snapshot.restore()
+restored = in_use()
+read = v.read_value()  # a read aliases the variable's buffer, unless the variable copies on read
+after_read = in_use()
+same = bool(np.array_equal(read.numpy(), original))
+del read
+v.assign_sub(tf.ones([MiB // 4]))  # an update in place (no reader left), unless it copies on read
+after_update = in_use()
+print(json.dumps({{"before": before, "restored": restored, "after_read": after_read, "after_update": after_update,
+                   "same": same}}))
+"""
+
+
+def test_a_restore_writes_in_place_and_leaves_reads_and_updates_in_place(simulated_device):
+    # A restore by ResourceStridedSliceAssign put the variable in copy-on-read mode for good: each later read then
+    # allocated a copy of it, and each update a new buffer (TensorFlow's EnsureSparseVariableAccess).
+    r = simulated_device(RESTORE.format(), limit_mb=64)
+    assert r["same"]
+    assert r["restored"] == r["before"], r  # into the variable's own buffer
+    assert r["after_read"] == r["restored"], r  # the read aliases the variable
+    assert r["after_update"] == r["restored"], r  # the update writes in place

@@ -205,6 +205,19 @@ retry.
 enabled: a scalar.
 )doc");
 
+REGISTER_OP("Capuchin>AssignInPlace")
+    .Input("resource: resource")
+    .Input("value: dtype")
+    .Attr("dtype: type")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) { return absl::OkStatus(); })
+    .Doc(R"doc(
+Writes `value` into the variable's own buffer, byte for byte, when the variable holds a tensor of the same dtype and
+shape that nothing else shares; otherwise into a buffer of its own (allocated on this device). Unlike
+AssignVariableOp it never takes over the value's buffer, and unlike ResourceStridedSliceAssign it leaves the
+variable's copy-on-read mode as it was. capuchin_tf restores variables with it after a failed attempt of a step.
+)doc");
+
 REGISTER_OP("Capuchin>SetSmallPool")
     .Input("enabled: bool")
     .SetIsStateful()
