@@ -257,19 +257,6 @@ def _variable_handles(handles: Sequence) -> list:
     return out
 
 
-@tf.function(autograph=False, reduce_retracing=True)
-def _place(handles, values):
-    """Assigns values[i] to handles[i] in order, each from a device copy that only the assignment holds, so that the
-    variable adopts it (AssignVariableOp takes over a buffer nobody else uses) and the device allocates each
-    variable's buffer exactly once, one after the other."""
-    previous = None
-    for handle, value in zip(handles, values):
-        with tf.control_dependencies([previous] if previous is not None else []):
-            copy = tf.raw_ops.Snapshot(input=value)  # a device buffer of its own (the argument stays the caller's)
-        previous = copy
-        tf.raw_ops.AssignVariableOp(resource=handle, value=copy, validate_shape=False)
-
-
 def compact_variables(handles: Sequence) -> Compaction | None:
     """Lays the variables among `handles` (a function's captures) out again in one run of the simulated device's
     memory, largest first, and returns what it did; None when the device is not the simulated one (no memory map to
@@ -306,7 +293,12 @@ def compact_variables(handles: Sequence) -> Compaction | None:
         for h, d in zip(variables, dtypes):
             tf.raw_ops.AssignVariableOp(resource=h, value=tf.zeros([0], d), validate_shape=False)
         try:
-            _place([variables[i] for i in order], [tf.constant(values[i], dtype=dtypes[i]) for i in order])
+            for i in order:
+                # A device copy of the host value (Snapshot allocates it), which the variable takes over
+                # (AssignVariableOp adopts its value's buffer): one allocation per variable, one after the other.
+                copy = tf.raw_ops.Snapshot(input=tf.constant(values[i], dtype=dtypes[i]))
+                tf.raw_ops.AssignVariableOp(resource=variables[i], value=copy, validate_shape=False)
+                del copy
         except tf.errors.ResourceExhaustedError as e:
             for h, d, value in zip(variables, dtypes, values):
                 if gen_resource_variable_ops.variable_shape(h).numpy().tolist() != list(value.shape):
