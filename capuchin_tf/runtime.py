@@ -472,15 +472,17 @@ class ManagedStep:
                 warnings.warn(f"capuchin_tf: the plan could not be cached ({e})", RuntimeWarning, stacklevel=4)
         return outputs
 
-    def _measured_oom(self, state: SignatureState, error, refusals_before: int) -> BudgetError:
+    def _measured_oom(self, state: SignatureState, error, refusals_before: int,
+                      head: str | None = None) -> BudgetError:
         """The error of a measured step that ran out of memory in both its runs, from what the allocator saw when it
         refused: what the step asked for, and what was in use that passive mode could not evict (tensors the ops that
         run or wait to run hold, persistent state, tensors made or read in cond branches or loop bodies, tensors too
         small to pool), which no budget below their sum can run; or, with enough bytes free, that they were split."""
         budget = self.budget_bytes or 0
         stats = ops.allocator_stats()
-        head = (f"capuchin_tf: the measured step ran out of memory twice under a budget of {format_bytes(budget)}; the "
-                "variables are as they were. ")
+        if head is None:
+            head = (f"capuchin_tf: the measured step ran out of memory twice under a budget of {format_bytes(budget)}; "
+                    "the variables are as they were. ")
         if stats["refusals"] <= refusals_before or stats["refused_bytes"] <= 0:
             return BudgetError(f"{head}TensorFlow said: {oom_line(error)}")
         asked, in_use, largest = stats["refused_bytes"], stats["refused_in_use"], stats["refused_largest_free"]
@@ -716,6 +718,7 @@ class ManagedStep:
         tf.config.experimental.reset_memory_stats(DEVICE)
         t0 = time.perf_counter()
         reruns = 0
+        refusals = ops.allocator_stats()["refusals"]
         while True:
             if self.verbose and (error is not None or reruns):
                 print(f"capuchin_tf: out of memory {'again' if not reruns else 'in passive mode'}; running this step "
@@ -734,7 +737,15 @@ class ManagedStep:
             state.snapshot.restore(recovery.possibly_written(state.passive_def, state.writes,
                                                              recovery.failed_node(failure)))
             if reruns >= MEASURED_RETRIES:
-                raise self._failure(state, failure, passive=True) from error
+                # Why, from what the allocator saw (the budget below what the step needs at once, or the free memory
+                # split), as for the measured step: a BudgetError; else the general one.
+                head = (f"capuchin_tf: a guided step ran out of memory under a budget of "
+                        f"{format_bytes(self.budget_bytes or 0)}, and twice more in passive mode; the variables are "
+                        "as they were before this call. ")
+                named = self._measured_oom(state, failure, refusals, head=head)
+                if named.args[0].startswith(head + "TensorFlow said"):
+                    raise self._failure(state, failure, passive=True) from error
+                raise named from error
             reruns += 1
         state.history.append(StepRecord("passive", time.perf_counter() - t0,
                                         tf.config.experimental.get_memory_info(DEVICE)["peak"],

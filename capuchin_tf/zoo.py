@@ -769,7 +769,8 @@ def classify(run: dict, plain: dict, budget_bytes: int) -> tuple[str, str]:
 
     mismatch: the losses so far or (when it completed) the variables differ from plain TensorFlow's;
     floor: capuchin_tf said the budget is below what the step can ever need (_FLOOR_MESSAGES);
-    fragmented: the measured step failed with enough bytes free, not in one piece (_FRAGMENTED_MESSAGES);
+    fragmented: the measured step (or a guided step, after its passive-mode reruns) failed with enough bytes free,
+        not in one piece (_FRAGMENTED_MESSAGES);
     no-build: the model itself does not build on a device of that size (before capuchin_tf has any part);
     refused: a capuchin_tf warning named why the step runs as plain TensorFlow, every step after the first is
         'plain' (and then either bit for bit, or out of memory in that plain step);

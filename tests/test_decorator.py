@@ -351,6 +351,39 @@ def test_a_passive_rescue_that_runs_out_of_memory_runs_once_more_after_restoring
             assert len(runs) == 2 and log == ["take", ("restore", None), ("restore", None)]
 
 
+def test_a_passive_rescue_that_fails_for_split_memory_says_so(monkeypatch):
+    # When the allocator refused the last passive run's allocation with enough bytes free but not in one piece, the
+    # error is a BudgetError that says so (the zoo's `fragmented`), not the general "even in passive mode" error.
+    from types import SimpleNamespace
+
+    from capuchin_tf import ops, recovery, rewrite, runtime
+    from tensorflow.core.framework import graph_pb2
+
+    step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
+    oom = tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[640,8192]")
+
+    def call(fn, *args):
+        raise oom
+
+    seen = []
+
+    def stats():
+        seen.append(1)
+        refused = len(seen) > 1  # the first read is before the runs, the next after they failed
+        return {"refusals": 5 + refused, "refused_bytes": 20 * MiB, "refused_in_use": 70 * MiB,
+                "refused_largest_free": 12 * MiB, "refused_op": "conv_grad", "refused_store_shared": 0,
+                "refused_store_idle": 0, "bytes_limit": 256 * MiB}
+
+    monkeypatch.setattr(rewrite, "call_without_grappler", call)
+    monkeypatch.setattr(ops, "allocator_stats", stats)
+    state = runtime.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
+                                   passive_fn="passive step", passive_def=graph_pb2.GraphDef(),
+                                   writes=recovery.StateWrites({"w": (0,)}), snapshot=_fake_snapshot([]))
+    with pytest.raises(runtime.BudgetError, match="free memory was split: op 'conv_grad' asked for 20.0 MiB "
+                                                  "with 30.0 MiB free, the largest free run 12.0 MiB"):
+        step._passive(state, (), 2, oom)
+
+
 def test_what_a_failed_attempt_may_have_written_is_what_does_not_depend_on_the_failing_op():
     # recovery.state_writes finds every write of the optimized graph (here two variable updates and a random
     # generator's state); possibly_written keeps those that do not depend on the failing node, and a Snapshot
