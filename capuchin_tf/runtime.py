@@ -96,8 +96,12 @@ def in_use_breakdown(in_use: int, start_bytes: int, stats: Mapping) -> str:
     manage (op temporaries and workspaces, tensors of cond branches and loop bodies, tensors it did not pool, copies
     of variables an update made)."""
     persistent = min(start_bytes, in_use)
-    shared, idle = stats.get("refused_store_shared", 0), stats.get("refused_store_idle", 0)
-    other = max(in_use - persistent - shared - idle, 0)
+    # A pooled tensor can be counted twice: in the small-tensor pool's region (persistent state once the pool is taken)
+    # or as a view of an input of the step. So the pool's share is never more than what is left after the persistent
+    # state: the pool's share is an upper bound, what capuchin_tf does not manage a lower one.
+    shared = min(stats.get("refused_store_shared", 0), in_use - persistent)
+    idle = min(stats.get("refused_store_idle", 0), in_use - persistent - shared)
+    other = in_use - persistent - shared - idle
     parts = [f"{format_bytes(persistent)} persistent state (variables, optimizer slots, the step's inputs)",
              f"{format_bytes(shared)} of pooled tensors that running or waiting ops held"]
     if idle:

@@ -479,9 +479,11 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
 HostStore::DeviceBytes HostStore::ResidentDeviceBytes() {
   std::lock_guard<std::mutex> lock(mu_);
   DeviceBytes out;
+  std::unordered_set<const void*> seen;  // a buffer two entries hold (a tensor and a view of it) counts once
   for (const auto& kv : entries_) {
     const Entry* e = kv.second.get();
     if (!e->device.IsInitialized() || e->bytes <= 0) continue;
+    if (!seen.insert(e->device.tensor_data().data()).second) continue;
     (e->device.RefCountIsOne() ? out.idle : out.shared) += e->bytes;
   }
   return out;
