@@ -248,9 +248,12 @@ class Compaction:
 
 
 def _variable_handles(handles: Sequence) -> list:
+    """The initialized variables among `handles`, each once (one a step creates is initialized at its first call)."""
     seen, out = set(), []
     for h in handles:
         if id(h) in seen or variable_dtype(h) is None:
+            continue
+        if not bool(gen_resource_variable_ops.var_is_initialized_op(h)):
             continue
         seen.add(id(h))
         out.append(h)

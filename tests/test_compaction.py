@@ -127,3 +127,19 @@ def test_a_restore_writes_in_place_and_leaves_reads_and_updates_in_place(simulat
     assert r["restored"] == r["before"], r  # into the variable's own buffer
     assert r["after_read"] == r["restored"], r  # the read aliases the variable
     assert r["after_update"] == r["restored"], r  # the update writes in place
+
+
+def test_compaction_leaves_variables_the_step_has_not_initialized_yet(simulated_device):
+    # A variable created while the step is traced is initialized at its first call, after compaction: left alone.
+    r = simulated_device("""
+import json
+import tensorflow as tf
+from capuchin_tf import recovery
+from tensorflow.python.ops import resource_variable_ops
+ready = tf.Variable([1.0, 2.0])
+uninitialized = resource_variable_ops.UninitializedVariable(shape=[4], dtype=tf.float32)
+done = recovery.compact_variables([ready.handle, uninitialized.handle])
+print(json.dumps({"moved": done.variables, "value": ready.numpy().tolist(),
+                  "still": bool(uninitialized.is_initialized())}))
+""", limit_mb=64)
+    assert r == {"moved": 1, "value": [1.0, 2.0], "still": False}
