@@ -158,7 +158,10 @@ N = 4 * 1024 * 1024  # 16 MiB of float32
 blocks = [tf.fill([N], float(i)) for i in range(3)]  # 48 MiB of the 64 MiB device, one after the other
 ops.set_link_bandwidth({bandwidth})  # bytes/s: a 16 MiB copy takes 16 MiB / bandwidth
 handles = [ops.swap_out(b, name=f"b{{i}}") for i, b in enumerate(blocks)]
-del blocks  # the store holds them now: the first is on the link, the other two wait in the queue
+del blocks  # the store holds them now: the first goes on the link, the other two wait in the queue
+# Time for the copy worker to take the first block (seen in CI under load: not yet taken when the allocation came, all
+# three were copied at once and nothing waited); its copy takes 2 s or more, so it is still on the link after this.
+time.sleep(0.5)
 ops.set_passive_mode(True)
 t0 = time.perf_counter()
 try:
