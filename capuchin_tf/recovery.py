@@ -116,19 +116,6 @@ def _capture_sources(nodes: Mapping, args: Mapping[str, int], n_user_inputs: int
     return found
 
 
-def variable_reads(graph_def, n_user_inputs: int) -> dict[int, tuple[str, ...]]:
-    """Capture index -> the ReadVariableOp nodes of a step's optimized GraphDef that read it."""
-    nodes = {n.name: n for n in graph_def.node}
-    args = {n.name: n.attr["index"].i for n in graph_def.node if n.op == "_Arg"}
-    reads: dict[int, list[str]] = collections.defaultdict(list)
-    for node in graph_def.node:
-        if node.op != "ReadVariableOp" or not node.input:
-            continue
-        for i in _capture_sources(nodes, args, n_user_inputs, node.input[0]) or ():
-            reads[i].append(node.name)
-    return {i: tuple(names) for i, names in reads.items()}
-
-
 def state_writes(graph_def, n_user_inputs: int) -> StateWrites:
     """The writes of a step's optimized GraphDef (see the module docstring). Its `_Arg` nodes are the function's
     inputs by index: the user's `n_user_inputs` first, then the captures."""

@@ -309,51 +309,6 @@ def add_gates(graph_def: graph_pb2.GraphDef, gates: Mapping[str, Sequence[str]],
     return ed.graph
 
 
-def writes_after_reads(graph_def: graph_pb2.GraphDef, writers: Mapping[str, Sequence[int]],
-                       reads: Mapping[int, Sequence[str]]) -> tuple[graph_pb2.GraphDef, int]:
-    """`graph_def` with every write of a variable (`writers`: op -> capture indices, recovery.state_writes) waiting
-    for the ops that read the value of an earlier read of it (`reads`: capture index -> ReadVariableOp nodes,
-    recovery.variable_reads), through views, where GraphEditor.add_control allows; and the number of edges added.
-
-    A ReadVariableOp's output is the variable's own buffer. An update that runs while such an output is still to be
-    read finds the buffer shared and copies the variable to a new buffer first (TensorFlow's copy-on-write), wherever
-    BFC has room: the variable then takes twice its bytes until the reader is done, and is left elsewhere on the
-    device. Plain TensorFlow's executor seldom runs an update that early; a step whose readers wait for memory
-    (passive mode, a guided step's gates) did it for about a hundred of NASNetMobile's variables at 40 MiB, 0.1-0.7
-    MiB each. Waiting for the readers, the update writes in place: the same values (the readers read the value before
-    the update either way), no copy. A reader that itself comes after the write (it reads the new value) would close
-    a cycle, and that edge is refused.
-    """
-    ed = GraphEditor(graph_def)
-    consumers: dict[str, list[str]] = {}
-    for n in ed.graph.node:
-        for i in n.input:
-            if not i.startswith("^"):
-                consumers.setdefault(_split_ref(i)[0], []).append(n.name)
-
-    def value_readers(read: str) -> list[str]:
-        out, stack, seen = [], [read], {read}
-        while stack:
-            for c in consumers.get(stack.pop(), ()):
-                if c in seen:
-                    continue
-                seen.add(c)
-                out.append(c)
-                if ed.nodes[c].op in VIEW_OPS:  # its output is the same buffer: its readers read it too
-                    stack.append(c)
-        return out
-
-    readers = {r: value_readers(r) for rs in reads.values() for r in rs}
-    added = 0
-    for writer, indices in writers.items():
-        for i in indices:
-            for r in reads.get(i, ()):
-                for c in readers[r]:
-                    if c != writer and ed.nodes[c].op != "_Retval" and f"^{c}" not in ed.nodes[writer].input:
-                        added += ed.add_control(writer, c)
-    return ed.graph, added
-
-
 def _ref(tid: str) -> str:
     op, slot = split_tensor_id(tid)
     return op if slot == 0 else f"{op}:{slot}"

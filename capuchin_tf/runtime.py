@@ -320,9 +320,6 @@ class ManagedStep:
         except (capture.CaptureError, tf.errors.OpError) as e:
             raise _Refusal(f"its optimized graph could not be read ({type(e).__name__}: {oom_line(e)})") from e
         writes = recovery.state_writes(state.optimized, n_user)
-        # Updates wait for the readers of the variable's earlier reads: in place, no copy-on-write (rewrite.py).
-        state.optimized, _ = rewrite.writes_after_reads(state.optimized, writes.writers,
-                                                        recovery.variable_reads(state.optimized, n_user))
         not_variables = [f"{w} ({next(n.op for n in state.optimized.node if n.name == w)})"
                          for w, indices in writes.writers.items()
                          if any(recovery.variable_dtype(captures[i]) is None for i in indices)]
