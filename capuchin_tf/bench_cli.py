@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -182,7 +183,9 @@ def _run_worker(a: argparse.Namespace) -> int:
     managed = None
     if a.policy != "tf":
         try:
-            managed = capuchin_tf.function(setup.train_step, memory_budget=budget, policy=a.policy, link=a.link)
+            # CAPUCHIN_TF_VERBOSE=1: the decorator says what it does (plans, retries, passive rescues) as it goes.
+            managed = capuchin_tf.function(setup.train_step, memory_budget=budget, policy=a.policy, link=a.link,
+                                           verbose=os.environ.get("CAPUCHIN_TF_VERBOSE", "") not in ("", "0"))
         except recorded as e:
             record_error(e)
             result.update(losses_hex=[], variables_sha256=setup.variables_sha256())
