@@ -320,6 +320,8 @@ class ManagedStep:
         except (capture.CaptureError, tf.errors.OpError) as e:
             raise _Refusal(f"its optimized graph could not be read ({type(e).__name__}: {oom_line(e)})") from e
         writes = recovery.state_writes(state.optimized, n_user)
+        # Assignments write into the variable's own buffer: the variables stay where compaction laid them out.
+        state.optimized, _ = rewrite.assignments_in_place(state.optimized)
         not_variables = [f"{w} ({next(n.op for n in state.optimized.node if n.name == w)})"
                          for w, indices in writes.writers.items()
                          if any(recovery.variable_dtype(captures[i]) is None for i in indices)]

@@ -143,3 +143,61 @@ print(json.dumps({"moved": done.variables, "value": ready.numpy().tolist(),
                   "still": bool(uninitialized.is_initialized())}))
 """, limit_mb=64)
     assert r == {"moved": 1, "value": [1.0, 2.0], "still": False}
+
+
+MOMENTUM = """
+import json
+import numpy as np
+import keras
+import tensorflow as tf
+import capuchin_tf
+from capuchin_tf import profile
+
+MiB = 1 << 20
+keras.utils.set_random_seed(0)
+tf.config.experimental.enable_op_determinism()
+
+def setup():
+    w = tf.Variable(tf.random.stateless_normal([512, 512], seed=[1, 2]))  # 1 MiB, and a 1 MiB momentum slot
+    m = tf.Variable(tf.zeros([4]))  # assigned a new value every step, as BatchNormalization's moving statistics
+    opt = keras.optimizers.SGD(0.01, momentum=0.9)
+    opt.build([w])
+    x = tf.random.stateless_normal([256, 512], seed=[3, 4])
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = x @ w
+            loss = tf.reduce_sum(h * h)
+        opt.apply_gradients([(tape.gradient(loss, w), w)])
+        m.assign(m * 0.5 + tf.reduce_mean(h))
+        return loss
+
+    return step, x, [w, m] + list(opt.variables)
+
+step, x, variables = setup()
+_, plain_trace = profile.measure_step(step, (x,), passive=False)
+plain_losses = [float(step(x)) for _ in range(2)]
+plain = [v.numpy().tobytes() for v in variables]
+
+step, x, variables = setup()
+managed = capuchin_tf.function(step, memory_budget=48 * MiB)
+losses = [float(managed(x)) for _ in range(3)]
+state = next(iter(managed.states().values()))
+print(json.dumps({{"plain_released": len(plain_trace.released),
+                   "released": [b for _, b in state.trace.released],
+                   "same": [a.hex() for a in losses[1:]] == [a.hex() for a in plain_losses]
+                           and [v.numpy().tobytes() for v in variables] == plain,
+                   "phases": [h.phase for h in state.history]}}))
+"""
+
+
+def test_a_managed_step_assigns_variables_in_place(simulated_device):
+    # AssignVariableOp takes over its value's buffer: Keras' momentum slots and any `var.assign(expr)` move to wherever
+    # the value was computed, every step, out of the run compaction laid them out in (ResNet50V2: 273 buffers, 90.7 MiB
+    # per step). The managed step writes them into their own buffers (rewrite.assignments_in_place).
+    r = simulated_device(MOMENTUM.format(), limit_mb=256)
+    assert r["plain_released"] >= 2, r  # plain TensorFlow moves the slot and `m` (the test can fail)
+    assert r["released"] == [], r
+    assert r["same"], r
+    assert r["phases"][0] == "measured", r

@@ -5,6 +5,8 @@
 // value is held elsewhere), so the variable moves to wherever that buffer is (host memory, for a value made from a
 // numpy array), and ResourceStridedSliceAssign writes in place but puts the variable in copy-on-read mode for good
 // (EnsureSparseVariableAccess): every later read of it copies it, and every update copies it to a new buffer.
+// The managed step's assignments use it too (rewrite.assignments_in_place): AssignVariableOp's takeover of the value's
+// buffer moves the variable to wherever the value was computed, every step.
 
 #include <cstring>
 
@@ -22,9 +24,14 @@ class AssignInPlaceOp : public OpKernel {
   using OpKernel::OpKernel;
 
   void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<Var> variable;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &variable));
     const Tensor& value = ctx->input(1);
+    core::RefCountPtr<Var> variable;
+    // As AssignVariableOp: a variable whose handle has never been assigned has no Var yet (one made inside a step
+    // while it was traced, initialized at the step's first call).
+    OP_REQUIRES_OK(ctx, LookupOrCreateResource<Var>(ctx, HandleFromInput(ctx, 0), &variable, [&value](Var** ptr) {
+                     *ptr = new Var(value.dtype());
+                     return absl::OkStatus();
+                   }));
     OP_REQUIRES(ctx, DataTypeCanUseMemcpy(value.dtype()),
                 errors::InvalidArgument("Capuchin>AssignInPlace: cannot copy a ", DataTypeString(value.dtype()),
                                         " tensor byte for byte"));
