@@ -33,7 +33,7 @@ PERSISTENT_PRODUCERS = frozenset({"_Arg", "Placeholder", "Const", "HostConst", "
 BOOKKEEPING_OPS = frozenset({"_Arg", "_Retval", "NoOp", "Const", "HostConst", "ReadVariableOp", "VarHandleOp",
                              "Identity", "IdentityN", "Placeholder", "Shape", "ShapeN", "Size", "Rank"})
 VARIABLE_WRITERS = ("AssignVariableOp", "AssignSubVariableOp", "AssignAddVariableOp", "ResourceApply",
-                    "ResourceScatter", "ResourceSparseApply")
+                    "ResourceScatter", "ResourceSparseApply", "Capuchin>AssignInPlace")
 
 
 class CaptureError(ValueError):

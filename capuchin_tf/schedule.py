@@ -17,7 +17,8 @@ from capuchin_tf.graph_model import VIEW_OPS, GraphModel, Role
 BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
 # Ops that write a variable (resource) in place.
 VARIABLE_WRITER_PREFIXES = ("AssignVariableOp", "AssignSubVariableOp", "AssignAddVariableOp", "ResourceApply",
-                            "ResourceScatter", "ResourceSparseApply")
+                            "ResourceScatter", "ResourceSparseApply",
+                            "Capuchin>AssignInPlace")  # what managed steps make of AssignVariableOp (rewrite.py)
 
 
 def is_variable_writer(op_type: str) -> bool:

@@ -95,3 +95,37 @@ def test_a_read_through_views_reads_clones_of_the_views_on_the_new_tensor():
     assert list(nodes["neg"].input) == ["new"]
     assert list(nodes["r"].input) == ["t", "shape"]  # the original views are untouched
 
+
+
+def test_assignments_in_place_keep_what_the_planner_knows_of_them():
+    """rewrite.assignments_in_place: AssignVariableOp of a copyable dtype becomes Capuchin>AssignInPlace (same name,
+    inputs, dtype), a string variable's stays; the new op is still a variable write to the graph model (optimizer
+    role) and to the schedule (BatchNormalization's statistics are deferred as writes); same numbers."""
+    from capuchin_tf import schedule
+
+    w = tf.Variable(tf.ones([3]))
+    s = tf.Variable("a")
+
+    @tf.function
+    def step(x):
+        w.assign(w * x)
+        s.assign("b")
+        return tf.reduce_sum(w)
+
+    x = tf.constant(2.0)
+    concrete = step.get_concrete_function(x)
+    graph_def = capture.optimized_graph(concrete, (x,))
+    edited, changed = rewrite.assignments_in_place(graph_def)
+    before = {n.name: n for n in graph_def.node}
+    after = {n.name: n for n in edited.node}
+    assert changed == 1
+    (name,) = [n for n, node in after.items() if node.op == "Capuchin>AssignInPlace"]
+    assert before[name].op == "AssignVariableOp" and list(after[name].input) == list(before[name].input)
+    assert after[name].attr["dtype"].type == tf.float32.as_datatype_enum
+    assert [n.op for n in edited.node if n.op == "AssignVariableOp"] == ["AssignVariableOp"]  # the string's
+    assert schedule.is_variable_writer("Capuchin>AssignInPlace")
+    model = capture.graph_model(edited)
+    assert model.ops[name].role.name == "OPTIMIZER"
+    fn = rewrite.rebuild(concrete, edited)
+    assert float(rewrite.call_without_grappler(fn, x)) == 6.0 and w.numpy().tolist() == [2.0, 2.0, 2.0]
+    assert s.numpy() == b"b"
