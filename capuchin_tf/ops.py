@@ -123,7 +123,8 @@ def get(handle, dtype, shape=None) -> tf.Tensor:
 def assign_in_place(handle, value) -> None:
     """Writes `value` into the buffer of the variable `handle` refers to (a buffer of its own if that one is shared or
     of another shape): unlike AssignVariableOp it never takes over the value's buffer, unlike
-    ResourceStridedSliceAssign it leaves the variable out of copy-on-read mode (recovery.Snapshot.restore)."""
+    ResourceStridedSliceAssign it leaves the variable out of copy-on-read mode (recovery.Snapshot.restore). Managed
+    steps use the op in place of AssignVariableOp (rewrite.assignments_in_place)."""
     value = tf.convert_to_tensor(value)
     _ops.capuchin_assign_in_place(handle, value)
 
