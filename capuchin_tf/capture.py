@@ -21,6 +21,7 @@ from tensorflow.python.framework import op_def_registry
 
 from capuchin_tf import control_flow
 from capuchin_tf.graph_model import GraphModel, OpInfo, Role, TensorInfo, propagate_backward_roles, tensor_id
+from capuchin_tf.schedule import is_variable_writer
 
 # Ops whose bodies run in nested functions: opaque to capuchin_tf, their inner tensors are not managed.
 FUNCTIONAL_OPS = frozenset({
@@ -32,8 +33,6 @@ PERSISTENT_PRODUCERS = frozenset({"_Arg", "Placeholder", "Const", "HostConst", "
                                   "VariableV2", "ResourceGather"})
 BOOKKEEPING_OPS = frozenset({"_Arg", "_Retval", "NoOp", "Const", "HostConst", "ReadVariableOp", "VarHandleOp",
                              "Identity", "IdentityN", "Placeholder", "Shape", "ShapeN", "Size", "Rank"})
-VARIABLE_WRITERS = ("AssignVariableOp", "AssignSubVariableOp", "AssignAddVariableOp", "ResourceApply",
-                    "ResourceScatter", "ResourceSparseApply", "Capuchin>AssignInPlace")
 
 
 class CaptureError(ValueError):
@@ -161,7 +160,7 @@ def is_backward_name(node_name: str) -> bool:
 def _role(node_name: str, op_type: str, optimizer_scopes: tuple[str, ...]) -> Role:
     if is_backward_name(node_name):
         return Role.BACKWARD
-    if op_type.startswith(VARIABLE_WRITERS) or any(node_name.lower().startswith(s) for s in optimizer_scopes):
+    if is_variable_writer(op_type) or any(node_name.lower().startswith(s) for s in optimizer_scopes):
         return Role.OPTIMIZER
     if op_type in BOOKKEEPING_OPS:
         return Role.OTHER

@@ -30,6 +30,7 @@ from tensorflow.python.util import nest
 
 from capuchin_tf import capture, control_flow
 from capuchin_tf.graph_model import VIEW_OPS, split_tensor_id, view_input
+from capuchin_tf.passive import SWAPPABLE_DTYPES
 from capuchin_tf.schedule import guided_order
 
 class RewriteError(RuntimeError):
@@ -309,10 +310,8 @@ def add_gates(graph_def: graph_pb2.GraphDef, gates: Mapping[str, Sequence[str]],
     return ed.graph
 
 
-# dtypes whose values Capuchin>AssignInPlace copies byte for byte (DataTypeCanUseMemcpy), as DataType enum values.
-_MEMCPY_DTYPES = frozenset(tf.as_dtype(d).as_datatype_enum for d in (
-    "float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
-    "uint64", "bool", "complex64", "complex128"))
+# dtypes whose values Capuchin>AssignInPlace copies byte for byte (those the host store copies), as DataType enums.
+_MEMCPY_DTYPES = frozenset(tf.as_dtype(d).as_datatype_enum for d in SWAPPABLE_DTYPES)
 
 
 def assignments_in_place(graph_def: graph_pb2.GraphDef) -> tuple[graph_pb2.GraphDef, int]:
