@@ -96,6 +96,14 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-mb", type=int, default=None,
                    help="the simulated device's size, MiB, recorded (the parent sets it in the environment; default: "
                         "--budget-mb)")
+    p.add_argument("--save-initial-values", metavar="PATH",
+                   help="write the initial values of the model's Keras variables, as built, there (bench zoo: the "
+                        "plain run)")
+    p.add_argument("--load-initial-values", metavar="PATH",
+                   help="build the model's Keras variables from the initial values written there by "
+                        "--save-initial-values instead of running their initializers on the device (bench zoo: the "
+                        "decorated runs, so that the initializers' temporaries do not decide whether the model builds "
+                        "on a device of the budget's size)")
     p.add_argument("--record-errors", action="store_true",
                    help="record any error of the build or a step in the result (error_type, error, traceback) "
                         "instead of failing the process (bench zoo)")
@@ -115,10 +123,12 @@ def _machine() -> dict:
 
 def _run_worker(a: argparse.Namespace) -> int:
     import datetime
+    import pickle
     import time
     import traceback
     import warnings
 
+    import numpy as np
     import tensorflow as tf
 
     import capuchin_tf  # installs the allocator wrapper before the first op (the `tf` baseline runs through it too)
@@ -166,7 +176,15 @@ def _run_worker(a: argparse.Namespace) -> int:
         "capuchin_error": None, "capuchin_warnings": capuchin_warnings,
     }
     try:
-        setup = models.build(a.model, a.batch)
+        load = None
+        if a.load_initial_values:
+            with open(a.load_initial_values, "rb") as f:
+                load = pickle.load(f)
+        with models.initial_values(load) as made:
+            setup = models.build(a.model, a.batch)
+        if a.save_initial_values:
+            with open(a.save_initial_values, "wb") as f:
+                pickle.dump([np.asarray(v.numpy()) for v in made], f, protocol=pickle.HIGHEST_PROTOCOL)
     except tf.errors.ResourceExhaustedError as e:
         record_error(e)
         result.update(error=f"the model does not build on this device: {error_line(e)}", losses_hex=[],

@@ -16,15 +16,16 @@ see tools/requirements-bert.txt for how to install it without pulling the CUDA T
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["MODELS", "TIERS", "TrainingSetup", "build", "describe"]
+__all__ = ["MODELS", "TIERS", "TrainingSetup", "build", "describe", "initial_values"]
 
 # --------------------------------------------------------------------------------------------------------------------
 # Registry.
@@ -540,6 +541,46 @@ def build(name: str, batch: int, seed: int = 0) -> TrainingSetup:
         variable_roles=roles,
         written_variables=written_variables,
     )
+
+
+@contextlib.contextmanager
+def initial_values(load: Sequence[np.ndarray] | None = None) -> Iterator[list]:
+    """Within it, the Keras variables built from an initializer are listed, in the order they are made, in the list it
+    yields; with `load`, each takes the next of those host arrays as its initial value instead of running its
+    initializer (a mismatch in number, shape or dtype raises ValueError).
+
+    For the benchmarks on a device of the budget's size: an initializer runs on the device and its temporaries
+    (a random draw, then its scaling: two to three tensors of the variable's size) land between the variables already
+    made, so a model whose variables alone fill most of the device may not build (ResNet101 on 191 MiB: out of memory
+    on a 9 MiB [3,3,512,512] draw with 27 MiB left). Built from the host copies of another build's initial values
+    (plain TensorFlow's run), each variable takes one allocation of its own size, and the runs start from the same
+    bits."""
+    from keras.src.backend.tensorflow.core import Variable
+
+    made: list = []
+    original = Variable._initialize_with_initializer
+    values = iter(load) if load is not None else None
+
+    def initialize(variable, initializer):
+        made.append(variable)
+        if values is None:
+            return original(variable, initializer)
+        value = next(values, None)
+        if value is None:
+            raise ValueError(f"initial values: more variables than values (at {variable.path!r})")
+        shape, dtype = tuple(variable.shape), keras.backend.standardize_dtype(variable.dtype)
+        if tuple(value.shape) != shape or str(value.dtype) != dtype:
+            raise ValueError(f"initial values: variable {len(made)} ({variable.path!r}) is {dtype}{list(shape)}, "
+                             f"the value {value.dtype}{list(value.shape)}")
+        variable._initialize(value)
+
+    Variable._initialize_with_initializer = initialize
+    try:
+        yield made
+    finally:
+        Variable._initialize_with_initializer = original
+    if values is not None and next(values, None) is not None:
+        raise ValueError(f"initial values: more values than the {len(made)} variables built")
 
 
 def _seed_generators(layer) -> list:

@@ -9,7 +9,9 @@ here; the quick and standard tiers keep their own names), so the `bench` worker 
 
 1. plain TensorFlow (policy `tf`) on a 16 GiB device: persistent bytes, peak, losses, variables digest, step times;
 2. budget = persistent + fraction x transient peak (`capuchin_tf.budget.fraction_budget_mb`);
-3. `capuchin_tf.function(memory_budget=budget, policy="capuchin", link="native")` on a device of exactly the budget;
+3. `capuchin_tf.function(memory_budget=budget, policy="capuchin", link="native")` on a device of exactly the budget,
+   the model built from the plain run's initial values (`models.initial_values`: its initializers do not run on the
+   device, whose size could otherwise decide whether the model builds);
 4. the same on a device of twice the budget.
 
 Each run is classified (`classify`): `guided`, `refused`, `floor`, `fragmented`, `no-build`, `mismatch`, `crash`,
@@ -26,11 +28,13 @@ import dataclasses
 import datetime
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import statistics
 import subprocess
-from typing import Any, Callable
+import tempfile
+from typing import Any, Callable, Sequence
 
 MiB = 1 << 20
 PREFIX = "zoo/"
@@ -964,7 +968,7 @@ def git_commit(repo: str | pathlib.Path | None = None) -> str:
 
 
 def _worker(case: Case, policy: str, budget_mb: int, device_mb: int, steps: int, timeout: float | None,
-            link: str = "native") -> dict:
+            link: str = "native", extra: Sequence[str] = ()) -> dict:
     """One `bench-worker` run in a fresh process; never raises for a failed run (the error is in the result)."""
     import time
 
@@ -972,7 +976,7 @@ def _worker(case: Case, policy: str, budget_mb: int, device_mb: int, steps: int,
     from capuchin_tf.cli import CliError
 
     args = ["--model", case.name, "--batch", str(case.batch), "--budget-mb", str(budget_mb), "--device-mb",
-            str(device_mb), "--policy", policy, "--link", link, "--steps", str(steps), "--record-errors"]
+            str(device_mb), "--policy", policy, "--link", link, "--steps", str(steps), "--record-errors", *extra]
     t0 = time.perf_counter()
     try:
         r = run_worker(args, device_mb, timeout=timeout)
@@ -992,9 +996,8 @@ def _worker(case: Case, policy: str, budget_mb: int, device_mb: int, steps: int,
 
 def run_case(case: Case, steps: int = 5, fraction: float = 0.5, timeout: float | None = 900.0,
              echo: Callable[[str], None] = print) -> dict:
-    """The four runs of one case (plain, budget, device = budget, device = 2x budget), classified."""
-    from capuchin_tf.budget import fraction_budget_mb
-
+    """The three runs of one case (plain; decorated at the budget on a device of the budget and of twice it),
+    classified."""
     entry: dict = {"case": case.name, "batch": case.batch, "group": case.group, "description": case.description,
                    "plain_peak_bytes": None, "persistent_bytes": None, "budget_mb": None, "outcome_budget": None,
                    "reason_budget": None, "outcome_double": None, "reason_double": None, "steady_ratio": None,
@@ -1004,8 +1007,20 @@ def run_case(case: Case, steps: int = 5, fraction: float = 0.5, timeout: float |
         entry["skipped"] = f"skipped: {case.needs} is not importable"
         echo(f"  {entry['skipped']}")
         return entry
+    with tempfile.TemporaryDirectory(prefix="capuchin_zoo_") as tmp:
+        # The decorated runs build the model from the plain run's initial values (models.initial_values): on a
+        # device of the budget's size the initializers' own temporaries could decide whether it builds.
+        initial = os.path.join(tmp, "initial_values.pkl")
+        return _run_case(case, steps, fraction, timeout, echo, entry, initial)
+
+
+def _run_case(case: Case, steps: int, fraction: float, timeout: float | None, echo: Callable[[str], None],
+              entry: dict, initial: str) -> dict:
+    from capuchin_tf.budget import fraction_budget_mb
+
     echo(f"  plain TensorFlow, {PLAIN_DEVICE_MB} MiB device ...")
-    plain = _worker(case, "tf", PLAIN_DEVICE_MB, PLAIN_DEVICE_MB, steps, timeout)
+    plain = _worker(case, "tf", PLAIN_DEVICE_MB, PLAIN_DEVICE_MB, steps, timeout,
+                    extra=("--save-initial-values", initial))
     entry["plain"] = plain
     if not plain["ok"] or plain["peak_bytes"] is None:
         reason = f"plain TensorFlow failed: {_error_text(plain)}"
@@ -1021,7 +1036,8 @@ def run_case(case: Case, steps: int = 5, fraction: float = 0.5, timeout: float |
          f"median step {entry['plain_median_step_s'] or float('nan'):.3f} s -> budget {budget_mb} MiB")
     for key, device_mb, label in (("budget", budget_mb, "device=budget"), ("double", 2 * budget_mb, "device=2x")):
         echo(f"  capuchin, budget {budget_mb} MiB, {label} ({device_mb} MiB) ...")
-        run = _worker(case, "capuchin", budget_mb, device_mb, steps, timeout)
+        run = _worker(case, "capuchin", budget_mb, device_mb, steps, timeout,
+                      extra=("--load-initial-values", initial) if os.path.exists(initial) else ())
         outcome, reason = classify(run, plain, budget_mb * MiB)
         ratio = steady_ratio(run, plain)
         entry.update({f"{key}_run": run, f"outcome_{key}": outcome, f"reason_{key}": reason,
