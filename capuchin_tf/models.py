@@ -572,7 +572,9 @@ def initial_values(load: Sequence[np.ndarray] | None = None) -> Iterator[list]:
         if tuple(value.shape) != shape or str(value.dtype) != dtype:
             raise ValueError(f"initial values: variable {len(made)} ({variable.path!r}) is {dtype}{list(shape)}, "
                              f"the value {value.dtype}{list(value.shape)}")
-        variable._initialize(value)
+        # Copied onto the device by an op: a tensor made from a host array can share the array's memory instead of
+        # taking a buffer from the device allocator, and the variable would then not be on the (simulated) device.
+        variable._initialize(tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(value)))
 
     Variable._initialize_with_initializer = initialize
     try:

@@ -135,3 +135,66 @@ def test_two_fresh_processes_give_bit_identical_losses(simulated_device):
     for name, r in runs[0].items():
         losses = [float.fromhex(x) for x in r["losses"]]
         assert all(math.isfinite(x) for x in losses) and len(set(losses)) > 1, (name, losses)
+
+
+# ---- initial values from another build (models.initial_values; the zoo's decorated runs) ---------------------------
+def test_initial_values_replace_the_initializers_and_are_checked():
+    with models.initial_values() as made:
+        first = models.build("dropout-bn", BATCH)
+    assert len(made) >= len(first.variables_by_role("trainable"))
+    values = [v.numpy() + 1 for v in made]  # not what any initializer draws
+    with models.initial_values(values) as loaded:
+        second = models.build("dropout-bn", BATCH)
+    assert len(loaded) == len(values)
+    for v, value in zip(loaded, values):
+        assert v.numpy().tobytes() == value.tobytes(), v.path
+    trainable = second.variables_by_role("trainable")
+    assert any(t.numpy().tobytes() == values[0].tobytes() for t in trainable)  # the model's own variable
+    wrong_shape = list(values)
+    wrong_shape[0] = values[0].reshape(-1)[:1]
+    for bad, message in ((wrong_shape, "variable 1 .* the value"), (values[:-1], "more variables than values"),
+                         (values + [values[0]], "more values than")):
+        with pytest.raises(ValueError, match=message):
+            with models.initial_values(bad):
+                models.build("dropout-bn", BATCH)
+
+
+_INITIAL_VALUES_CHILD = """
+import hashlib, json, pickle, sys
+sys.path.insert(0, {repo!r})
+import numpy as np
+import tensorflow as tf
+import capuchin_tf  # the simulated device as the zoo runs it (its BFC splits every chunk to the request)
+from capuchin_tf import models
+load = None
+if {load!r}:
+    with open({path!r}, "rb") as f:
+        load = pickle.load(f)
+tf.config.experimental.reset_memory_stats("CPU:0")
+with models.initial_values(load) as made:
+    s = models.build("dropout-bn", {batch})
+info = tf.config.experimental.get_memory_info("CPU:0")
+if not {load!r}:
+    with open({path!r}, "wb") as f:
+        pickle.dump([np.asarray(v.numpy()) for v in made], f)
+h = hashlib.sha256()
+for v in s.variables:
+    h.update(v.numpy().tobytes())
+losses = [float(s.train_step(*s.inputs)).hex() for _ in range(2)]
+print(json.dumps({{"peak": info["peak"], "current": info["current"], "variables": h.hexdigest(), "losses": losses}}))
+"""
+
+
+def test_a_build_from_initial_values_runs_no_initializer_on_the_device(simulated_device, tmp_path):
+    import pathlib
+
+    repo = str(pathlib.Path(models.__file__).resolve().parent.parent)
+    path = str(tmp_path / "initial.pkl")
+    runs = [simulated_device(_INITIAL_VALUES_CHILD.format(repo=repo, load=load, path=path, batch=64), 2048)
+            for load in (False, True)]
+    built, loaded = runs
+    # The same bits in, the same bits out; and building from host values takes no device memory beyond the variables
+    # and the step's inputs (the initializers' random draws and their scaling are what the plain build adds).
+    assert loaded["variables"] == built["variables"] and loaded["losses"] == built["losses"]
+    assert loaded["current"] == built["current"]
+    assert loaded["peak"] - loaded["current"] < built["peak"] - built["current"], (built, loaded)
