@@ -554,7 +554,8 @@ def initial_values(load: Sequence[np.ndarray] | None = None) -> Iterator[list]:
     made, so a model whose variables alone fill most of the device may not build (ResNet101 on 191 MiB: out of memory
     on a 9 MiB [3,3,512,512] draw with 27 MiB left). Built from the host copies of another build's initial values
     (plain TensorFlow's run), each variable takes one allocation of its own size, and the runs start from the same
-    bits."""
+    bits. It replaces, while it lasts, Keras 3's `Variable._initialize_with_initializer` of the TensorFlow backend (a
+    private method: the one place where a variable's initializer runs)."""
     from keras.src.backend.tensorflow.core import Variable
 
     made: list = []
