@@ -48,20 +48,13 @@ def reference_for(model_case):
     return dict(model=model, batch=batch, plain=plain, budget_mb=budget_mb, at_budget=at_budget)
 
 
-# Each model's tests on one worker (`--dist loadgroup`): its reference runs (plain TensorFlow twice, one of them out
-# of memory) are then made once.
-def _group(model: str):
-    return pytest.mark.xdist_group(f"quick-tier-{model}")
-
-
-@pytest.mark.parametrize("model_case", [pytest.param(m, id=m[0], marks=_group(m[0])) for m in MODELS])
+@pytest.mark.parametrize("model_case", MODELS, ids=[m for m, _, _ in MODELS])
 def test_plain_tensorflow_runs_out_of_memory_at_the_budget(model_case):
     at_budget = reference_for(model_case)["at_budget"]
     assert not at_budget["ok"] and "OOM when allocating" in at_budget["error"], at_budget
 
 
-@pytest.mark.parametrize("model_case,policy",
-                         [pytest.param(m, p, id=f"{m[0]}-{p}", marks=_group(m[0])) for m, p in RUNS])
+@pytest.mark.parametrize("model_case,policy", RUNS, ids=[f"{m[0]}-{p}" for m, p in RUNS])
 def test_the_policy_trains_under_the_budget_bit_for_bit(model_case, policy, assert_plan_fits_policy):
     # The device is twice the budget: the budget holds by itself (the allocator enforces it), so the peak check can
     # fail; every step after the measured one runs the plan.

@@ -93,7 +93,7 @@ case "$action" in
     ;;
   test)
     say "running the tests"
-    exec "$py" -m pytest tests -n 2 --dist loadgroup --durations=25
+    exec "$py" -m pytest tests -n 2 --durations=25
     ;;
   setup)
     say "set-up done: activate with 'source .venv/bin/activate'"
