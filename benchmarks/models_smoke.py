@@ -1,4 +1,4 @@
-"""Smoke run of the benchmark model zoo (capuchin_tf.models): build each model, run a few steps, print a table.
+"""Smoke run of the benchmark model zoo (capuchin_tf.cli.models): build each model, run a few steps, print a table.
 
     python benchmarks/models_smoke.py resnet50 bert-4l --batch 8 [--steps 2] [--limit-mb 4096] [--stock] [--json out]
     python benchmarks/models_smoke.py resnet50:8 bert-4l:4        # per-model batch
@@ -30,7 +30,7 @@ def _child(name: str, batch: int, steps: int) -> dict:
 
     if os.environ.get("CAPUCHIN_TF_PURE") != "1":
         import capuchin_tf  # noqa: F401  (loads the op library before the first op, as a benchmark would)
-    from capuchin_tf import models
+    from capuchin_tf.cli import models
 
     t0 = time.perf_counter()
     setup = models.build(name, batch)
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
         os.environ["CAPUCHIN_TF_PURE"] = "1"
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from capuchin_tf import models
+        from capuchin_tf.cli import models
 
         print(models.describe())
         return 0 if args.list else 2

@@ -19,8 +19,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("CAPUCHIN_TF_PURE", "1")
 
-from capuchin_tf import synthetic  # noqa: E402
-from capuchin_tf.device_model import DeviceModel  # noqa: E402
+from capuchin_tf.core import synthetic  # noqa: E402
+from capuchin_tf.core.device_model import DeviceModel  # noqa: E402
 from capuchin_tf.policy import POLICIES, make_plan  # noqa: E402
 
 

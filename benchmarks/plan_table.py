@@ -21,9 +21,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("CAPUCHIN_TF_PURE", "1")
 
-from capuchin_tf.device_model import DeviceModel  # noqa: E402
+from capuchin_tf.core.device_model import DeviceModel  # noqa: E402
 from capuchin_tf.policy import POLICIES, make_plan  # noqa: E402
-from capuchin_tf.trace import AccessTrace  # noqa: E402
+from capuchin_tf.core.trace import AccessTrace  # noqa: E402
 
 MiB = float(1 << 20)
 

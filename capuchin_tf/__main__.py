@@ -1,5 +1,5 @@
-"""``python -m capuchin_tf``: the command line (capuchin_tf.cli)."""
+"""``python -m capuchin_tf``: the command line (capuchin_tf.cli.main)."""
 
-from capuchin_tf.cli import main
+from capuchin_tf.cli.main import main
 
 raise SystemExit(main())

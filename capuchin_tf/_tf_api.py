@@ -4,12 +4,12 @@ Importing this module loads TensorFlow and the op library (which installs the al
 before TensorFlow's first op).
 """
 
-from capuchin_tf import _loader
+from capuchin_tf.tf import loader
 
-_loader.load()
+loader.load()
 
-from capuchin_tf import ops  # noqa: E402  (needs the library loaded above)
-from capuchin_tf.ops import (  # noqa: E402
+from capuchin_tf.tf import ops  # noqa: E402  (needs the library loaded above)
+from capuchin_tf.tf.ops import (  # noqa: E402
     HandleStatus,
     allocator_stats,
     drain_access_records,
@@ -26,9 +26,9 @@ from capuchin_tf.ops import (  # noqa: E402
     swap_out,
 )
 
-from capuchin_tf.decorator import function  # noqa: E402
-from capuchin_tf.keras_callback import CapuchinCallback  # noqa: E402
-from capuchin_tf.runtime import BudgetError, CapuchinError, ManagedStep  # noqa: E402
+from capuchin_tf.frontend.decorator import function  # noqa: E402
+from capuchin_tf.frontend.keras_callback import CapuchinCallback  # noqa: E402
+from capuchin_tf.runtime.managed_step import BudgetError, CapuchinError, ManagedStep  # noqa: E402
 
 __all__ = [
     "BudgetError",

@@ -128,7 +128,7 @@ def build_and_train(mode: str, layers: int, width: int, batch: int, steps: int, 
 def run_child(mode: str, limit_mb: int, args) -> dict:
     """Runs one mode in a fresh process whose device is a BFC allocator of `limit_mb` MiB."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # importing capuchin_tf below loads TensorFlow here too
-    from capuchin_tf.simulated_device import simulated_device_env
+    from capuchin_tf.tf.simulated_device import simulated_device_env
 
     env = simulated_device_env(limit_mb, inter_op_threads=None)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--layers", str(args.layers),

@@ -1,7 +1,7 @@
 """Demo: train a real model under a device-memory budget that plain TensorFlow cannot fit, with the decorator and
 nothing else changed.
 
-The training step is the model's own `tf.function` step (capuchin_tf.models, Keras ResNet50 at 64x64 by default);
+The training step is the model's own `tf.function` step (capuchin_tf.cli.models, Keras ResNet50 at 64x64 by default);
 the only change is `capuchin_tf.function(train_step, memory_budget=..., policy=...)`. Three runs, each in a fresh
 process on the simulated device (TensorFlow's BFC allocator with a hard limit, design.md), on the same seed and data,
 through `python -m capuchin_tf bench run`:

@@ -26,7 +26,7 @@ def run_on_simulated_device(code: str, limit_mb: int, timeout: float = 300.0, en
 
     The code must print one JSON object as its last line of standard output; that object is returned.
     """
-    from capuchin_tf.simulated_device import simulated_device_env
+    from capuchin_tf.tf.simulated_device import simulated_device_env
 
     child_env = simulated_device_env(limit_mb, inter_op_threads=None)
     child_env.update(env or {})

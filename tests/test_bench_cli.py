@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from capuchin_tf import cli
+from capuchin_tf.cli import main
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GOOD = ["--model", "mlp", "--batch", "64", "--budget-mb", "4096", "--policy", "capuchin", "--steps", "3"]
@@ -37,7 +37,7 @@ def _args(**changes: str) -> list[str]:
 )
 def test_bad_arguments(action, changes, message, tmp_path, capsys):
     out = tmp_path / "out.json"
-    assert cli.main(["bench", action, *_args(**changes), "--json", str(out)]) == 2
+    assert main.main(["bench", action, *_args(**changes), "--json", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"capuchin_tf bench: error: {message}" in err
     assert not out.exists()
@@ -45,11 +45,11 @@ def test_bad_arguments(action, changes, message, tmp_path, capsys):
 
 def test_bad_link_device_and_json_path(tmp_path, capsys):
     out = str(tmp_path / "out.json")
-    assert cli.main(["bench", "run", *GOOD, "--link", "pcie", "--json", out]) == 2
+    assert main.main(["bench", "run", *GOOD, "--link", "pcie", "--json", out]) == 2
     assert "unknown link 'pcie'; valid links: native, p100" in capsys.readouterr().err
-    assert cli.main(["bench", "equal", *GOOD, "--device-mb", "0", "--json", out]) == 2
+    assert main.main(["bench", "equal", *GOOD, "--device-mb", "0", "--json", out]) == 2
     assert "--device-mb must be at least 1" in capsys.readouterr().err
-    assert cli.main(["bench", "run", *GOOD, "--json", str(tmp_path / "missing" / "out.json")]) == 2
+    assert main.main(["bench", "run", *GOOD, "--json", str(tmp_path / "missing" / "out.json")]) == 2
     assert "is not a directory" in capsys.readouterr().err
 
 
@@ -65,7 +65,7 @@ def test_bad_argument_from_the_command_line(tmp_path):
 
 def test_equal_mlp_bit_for_bit(tmp_path, capfd):
     out = tmp_path / "equal.json"
-    assert cli.main(["bench", "equal", *GOOD, "--json", str(out)]) == 0
+    assert main.main(["bench", "equal", *GOOD, "--json", str(out)]) == 0
     printed = capfd.readouterr().out
     assert "step 3/3" in printed and "bit-for-bit equal to it: yes" in printed
     data = json.loads(out.read_text())
@@ -90,7 +90,7 @@ def test_equal_mlp_bit_for_bit(tmp_path, capfd):
 def test_run_out_of_memory_is_reported(tmp_path, capfd):
     out = tmp_path / "oom.json"
     args = _args(batch="2048", budget_mb="48", policy="tf", steps="2")
-    assert cli.main(["bench", "run", *args, "--json", str(out)]) == 1
+    assert main.main(["bench", "run", *args, "--json", str(out)]) == 1
     assert "failed (0 of 2 steps done): ResourceExhaustedError: OOM when allocating" in capfd.readouterr().out
     data = json.loads(out.read_text())
     assert data["ok"] is False and data["error"].startswith("ResourceExhaustedError: OOM when allocating")
@@ -98,7 +98,7 @@ def test_run_out_of_memory_is_reported(tmp_path, capfd):
 
 
 def test_batch_runs_needs_three_clean_steps_under_the_budget():
-    from capuchin_tf.bench_cli import batch_runs
+    from capuchin_tf.cli.bench import batch_runs
 
     ok = {"ok": True, "peak_bytes": 100, "phases": ["measured", "guided", "guided", "guided"], "retries": [0, 0, 0, 0]}
     assert batch_runs(ok, 100)
@@ -113,15 +113,15 @@ def test_batch_runs_needs_three_clean_steps_under_the_budget():
 def test_maxbatch_bad_arguments(tmp_path, capsys):
     out = str(tmp_path / "out.json")
     base = ["bench", "maxbatch", "--model", "mlp", "--budget-mb", "64", "--policy", "tf", "--json", out]
-    assert cli.main([*base, "--start", "64", "--max-batch", "32"]) == 2
+    assert main.main([*base, "--start", "64", "--max-batch", "32"]) == 2
     assert "--start <= --max-batch" in capsys.readouterr().err
-    assert cli.main([*base, "--start", "64", "--steps", "3"]) == 2
+    assert main.main([*base, "--start", "64", "--steps", "3"]) == 2
     assert "--steps must be at least 4" in capsys.readouterr().err
 
 
 def test_maxbatch_finds_plain_tensorflows_largest_batch(tmp_path):
     out = tmp_path / "max.json"
-    assert cli.main(["bench", "maxbatch", "--model", "mlp", "--budget-mb", "48", "--policy", "tf", "--start", "256",
+    assert main.main(["bench", "maxbatch", "--model", "mlp", "--budget-mb", "48", "--policy", "tf", "--start", "256",
                      "--resolution", "256", "--steps", "4", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     found, failing = data["max_batch_found"], data["first_failing_batch"]

@@ -12,7 +12,8 @@ SCATTERED = """
 import json
 import numpy as np
 import tensorflow as tf
-from capuchin_tf import ops, recovery
+from capuchin_tf.tf import ops
+from capuchin_tf.runtime import recovery
 
 MiB = 1 << 20
 rng = np.random.default_rng(0)
@@ -74,7 +75,7 @@ def test_compaction_puts_the_free_memory_in_one_run(simulated_device):
 NOT_SIMULATED = """
 import json
 import tensorflow as tf
-from capuchin_tf import recovery
+from capuchin_tf.runtime import recovery
 v = tf.Variable([1.0, 2.0])
 print(json.dumps({{"done": recovery.compact_variables([v.handle]) is None, "value": v.numpy().tolist()}}))
 """
@@ -97,7 +98,8 @@ RESTORE = """
 import json
 import numpy as np
 import tensorflow as tf
-from capuchin_tf import ops, recovery
+from capuchin_tf.tf import ops
+from capuchin_tf.runtime import recovery
 
 MiB = 1 << 20
 in_use = lambda: ops.allocator_stats()["bytes_in_use"]
@@ -134,7 +136,7 @@ def test_compaction_leaves_variables_the_step_has_not_initialized_yet(simulated_
     r = simulated_device("""
 import json
 import tensorflow as tf
-from capuchin_tf import recovery
+from capuchin_tf.runtime import recovery
 from tensorflow.python.ops import resource_variable_ops
 ready = tf.Variable([1.0, 2.0])
 uninitialized = resource_variable_ops.UninitializedVariable(shape=[4], dtype=tf.float32)
@@ -151,7 +153,7 @@ import numpy as np
 import keras
 import tensorflow as tf
 import capuchin_tf
-from capuchin_tf import profile
+from capuchin_tf.tf import measure
 
 MiB = 1 << 20
 keras.utils.set_random_seed(0)
@@ -176,7 +178,7 @@ def setup():
     return step, x, [w, m] + list(opt.variables)
 
 step, x, variables = setup()
-_, plain_trace = profile.measure_step(step, (x,), passive=False)
+_, plain_trace = measure.measure_step(step, (x,), passive=False)
 plain_losses = [float(step(x)) for _ in range(2)]
 plain = [v.numpy().tobytes() for v in variables]
 

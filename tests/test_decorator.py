@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import capuchin_tf
-from capuchin_tf import models
+from capuchin_tf.cli import models
 
 MiB = 1 << 20
 
@@ -68,7 +68,7 @@ import hashlib, json
 import numpy as np
 import tensorflow as tf
 import capuchin_tf
-from capuchin_tf import models
+from capuchin_tf.cli import models
 
 setup = models.build("cnn", 128)
 result = {{}}
@@ -136,7 +136,7 @@ import hashlib, json, warnings
 import numpy as np
 import tensorflow as tf
 import capuchin_tf
-from capuchin_tf import models
+from capuchin_tf.cli import models
 
 setup = models.build("cnn", 16)
 if {restore!r}:
@@ -189,7 +189,7 @@ import hashlib, json, warnings
 import numpy as np
 import tensorflow as tf
 import capuchin_tf
-from capuchin_tf import models
+from capuchin_tf.cli import models
 
 setup = models.build("cnn", 128)
 
@@ -231,7 +231,8 @@ def test_a_measured_step_that_runs_out_of_memory_twice_restores_raises_and_is_me
     # Out of memory in the measured step: what it may have written is restored, it runs once more, and a second
     # failure raises BudgetError with the variables as they were; the signature is not left marked: the next call
     # measures again (a review finding: a failed first call once made every later call run plain TensorFlow).
-    from capuchin_tf import profile, runtime
+    from capuchin_tf.tf import measure
+    from capuchin_tf.runtime import managed_step
 
     v = tf.Variable(1.0)
 
@@ -248,7 +249,7 @@ def test_a_measured_step_that_runs_out_of_memory_twice_restores_raises_and_is_me
         runs.append(1)
         raise oom
 
-    monkeypatch.setattr(profile, "measure_step", measure)
+    monkeypatch.setattr(measure, "measure_step", measure)
     real_prepare = step._prepare
 
     def prepare(state, args):
@@ -258,7 +259,7 @@ def test_a_measured_step_that_runs_out_of_memory_twice_restores_raises_and_is_me
     monkeypatch.setattr(step, "_prepare", prepare)
     with pytest.raises(capuchin_tf.BudgetError, match="ran out of memory twice"):
         step(tf.constant(1.0))
-    assert len(runs) == 1 + runtime.MEASURED_RETRIES and log == ["take", ("restore", None), ("restore", None)]
+    assert len(runs) == 1 + managed_step.MEASURED_RETRIES and log == ["take", ("restore", None), ("restore", None)]
     assert step.states() == {}
     monkeypatch.undo()
     assert float(step(tf.constant(1.0))) == 4.0  # measured now, for real
@@ -272,7 +273,7 @@ def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_on
     # (feasible, predicted peak) as a function of the budget; `_install` records what would be rewritten.
     from types import SimpleNamespace
 
-    from capuchin_tf import runtime
+    from capuchin_tf.runtime import managed_step
 
     step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
     step._device_model = lambda trace, state: None
@@ -286,10 +287,10 @@ def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_on
             feasible, peak = plan_of_budget(budget)
             return SimpleNamespace(feasible=feasible, predicted_peak_bytes=peak)
 
-        monkeypatch.setattr(runtime, "make_plan", make_plan)
+        monkeypatch.setattr(managed_step, "make_plan", make_plan)
         monkeypatch.setattr(step, "_install",
                             lambda state, args, plan, budget: installed.append((budget, plan)) or True)
-        state = runtime.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
+        state = managed_step.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
                                        plan=SimpleNamespace(feasible=True, predicted_peak_bytes=99 * MiB),
                                        plan_budget=100 * MiB)
         return state, step._tighten(state, (), reason="out of memory")
@@ -300,7 +301,7 @@ def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_on
 
     # Plans fit from 98 MiB up: bisection between 95 and 100 MiB finds the tightest of its probes that fits.
     state, changed = run(lambda b: (b >= 98 * MiB, b - MiB if b >= 98 * MiB else 130 * MiB))
-    assert changed and len(calls) == 1 + runtime.TIGHTEN_PROBES
+    assert changed and len(calls) == 1 + managed_step.TIGHTEN_PROBES
     assert installed == [(min(b for b in calls if b >= 98 * MiB), installed[0][1])]
     assert 98 * MiB <= installed[0][0] < 99 * MiB
 
@@ -322,7 +323,9 @@ def test_a_passive_rescue_that_runs_out_of_memory_runs_once_more_after_restoring
     # review finding: the last rescue raised before restoring).
     from types import SimpleNamespace
 
-    from capuchin_tf import recovery, rewrite, runtime
+    from capuchin_tf.runtime import recovery, managed_step
+
+    from capuchin_tf.tf import rewrite
     from tensorflow.core.framework import graph_pb2
 
     step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
@@ -338,7 +341,7 @@ def test_a_passive_rescue_that_runs_out_of_memory_runs_once_more_after_restoring
     monkeypatch.setattr(rewrite, "call_without_grappler", call)
     for fails, ok in [(1, True), (2, False)]:
         log.clear(), runs.clear()
-        state = runtime.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
+        state = managed_step.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
                                        passive_fn="passive step", passive_def=graph_pb2.GraphDef(),
                                        writes=recovery.StateWrites({"w": (0,)}), snapshot=_fake_snapshot(log))
         if ok:
@@ -356,7 +359,9 @@ def test_a_passive_rescue_that_fails_for_split_memory_says_so(monkeypatch):
     # error is a BudgetError that says so (the zoo's `fragmented`), not the general "even in passive mode" error.
     from types import SimpleNamespace
 
-    from capuchin_tf import ops, recovery, rewrite, runtime
+    from capuchin_tf.tf import ops, rewrite
+
+    from capuchin_tf.runtime import recovery, managed_step
     from tensorflow.core.framework import graph_pb2
 
     step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
@@ -376,10 +381,10 @@ def test_a_passive_rescue_that_fails_for_split_memory_says_so(monkeypatch):
 
     monkeypatch.setattr(rewrite, "call_without_grappler", call)
     monkeypatch.setattr(ops, "allocator_stats", stats)
-    state = runtime.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
+    state = managed_step.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
                                    passive_fn="passive step", passive_def=graph_pb2.GraphDef(),
                                    writes=recovery.StateWrites({"w": (0,)}), snapshot=_fake_snapshot([]))
-    with pytest.raises(runtime.BudgetError, match="free memory was split: op 'conv_grad' asked for 20.0 MiB "
+    with pytest.raises(managed_step.BudgetError, match="free memory was split: op 'conv_grad' asked for 20.0 MiB "
                                                   "with 30.0 MiB free, the largest free run 12.0 MiB"):
         step._passive(state, (), 2, oom)
 
@@ -390,7 +395,8 @@ def test_what_a_failed_attempt_may_have_written_is_what_does_not_depend_on_the_f
     # assigns exactly those back. Seen on the transformer: restoring every written variable moved its 4 MiB
     # embedding table and Adam slots (fresh device buffers wherever BFC had room) although only the dropout seed
     # generators had been written.
-    from capuchin_tf import capture, recovery
+    from capuchin_tf.tf import capture
+    from capuchin_tf.runtime import recovery
 
     first, second = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
     gen = tf.random.Generator.from_seed(1)
@@ -439,13 +445,15 @@ def test_a_guided_step_that_no_tighter_plan_rescues_goes_back_to_the_last_plan_t
     # write restores nothing; one after a write restores what it may have written.
     from types import SimpleNamespace
 
-    from capuchin_tf import recovery, rewrite, runtime
+    from capuchin_tf.runtime import recovery, managed_step
+
+    from capuchin_tf.tf import rewrite
 
     step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
     plan_a = SimpleNamespace(name="A", swapped_bytes=1, recomputed_bytes=0, feasible=True)
     plan_b = SimpleNamespace(name="B", swapped_bytes=2, recomputed_bytes=0, feasible=True)
     log = []
-    state = runtime.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB, step_time=0.0),
+    state = managed_step.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB, step_time=0.0),
                                    plan=plan_b, plan_budget=90 * MiB, fn="step B", guided_def="graph B",
                                    good=(plan_a, 95 * MiB, "step A", "graph A"), snapshot=_fake_snapshot(log),
                                    writes=recovery.StateWrites({"w": (0,)}))

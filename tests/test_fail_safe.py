@@ -11,7 +11,8 @@ import pytest
 import tensorflow as tf
 
 import capuchin_tf
-from capuchin_tf import models, runtime
+from capuchin_tf.cli import models
+from capuchin_tf.runtime import managed_step
 
 MiB = 1 << 20
 
@@ -54,8 +55,8 @@ def test_an_error_after_the_measured_step_wrote_the_variables_is_not_raised(monk
     def broken_plan(*args, **kwargs):
         raise RuntimeError("planner bug")
 
-    monkeypatch.setattr(runtime, "make_plan", broken_plan)
-    monkeypatch.setattr(runtime, "NOTHING_TO_SAVE", 0.0)  # plan even if the step fits
+    monkeypatch.setattr(managed_step, "make_plan", broken_plan)
+    monkeypatch.setattr(managed_step, "NOTHING_TO_SAVE", 0.0)  # plan even if the step fits
     setup = models.build("mlp", 256)
     step = capuchin_tf.function(setup.train_step, memory_budget=2048 * MiB)
     with warnings.catch_warnings(record=True) as caught:
@@ -74,8 +75,8 @@ def test_strict_raises_with_the_variables_as_they_were(monkeypatch, mlp_plain):
     def broken_plan(*args, **kwargs):
         raise RuntimeError("planner bug")
 
-    monkeypatch.setattr(runtime, "make_plan", broken_plan)
-    monkeypatch.setattr(runtime, "NOTHING_TO_SAVE", 0.0)
+    monkeypatch.setattr(managed_step, "make_plan", broken_plan)
+    monkeypatch.setattr(managed_step, "NOTHING_TO_SAVE", 0.0)
     setup = models.build("mlp", 256)
     before = digest(setup.variables)
     step = capuchin_tf.function(setup.train_step, memory_budget=2048 * MiB, strict=True)
@@ -99,12 +100,12 @@ def test_a_plan_cache_that_cannot_be_written_is_a_warning(tmp_path, mlp_plain):
 def test_an_error_of_capuchin_graph_restores_and_falls_back_once(monkeypatch, mlp_plain):
     # An error of the measured graph that the plain step does not have: the variables are restored, the plain step
     # runs, and the signature is refused with one warning naming the error.
-    from capuchin_tf import profile
+    from capuchin_tf.tf import measure
 
     def broken(*args, **kwargs):
         raise tf.errors.InvalidArgumentError(None, None, "node capuchin/get/x has inputs from different frames")
 
-    monkeypatch.setattr(profile, "measure_step", broken)
+    monkeypatch.setattr(measure, "measure_step", broken)
     setup = models.build("mlp", 256)
     step = capuchin_tf.function(setup.train_step, memory_budget=budget_now())
     with warnings.catch_warnings(record=True) as caught:
@@ -183,7 +184,7 @@ def test_decisions_are_per_input_shape_and_bounded():
 
 
 def test_the_plan_cache_key_covers_shapes_attributes_variables_and_versions():
-    from capuchin_tf.runtime import SignatureState
+    from capuchin_tf.runtime.managed_step import SignatureState
 
     def make(n):
         v = tf.Variable(tf.ones([n, n]), name="w")
@@ -253,7 +254,7 @@ def test_a_budget_below_what_the_step_needs_at_once_names_what_was_in_use():
     before = digest([w])
     budget = budget_now(transient_mib=7)  # above the MatMul's 5.8 MiB of inputs and output
     managed = capuchin_tf.function(step, memory_budget=budget)
-    with pytest.raises(runtime.BudgetError) as caught:
+    with pytest.raises(managed_step.BudgetError) as caught:
         managed(x)
     message = str(caught.value)
     assert "could not evict (" in message, message

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import capuchin_tf  # noqa: F401  (loads the op library before TensorFlow's first op)
-from capuchin_tf.keras_callback import CapuchinCallback
+from capuchin_tf.frontend.keras_callback import CapuchinCallback
 
 MiB = 1 << 20
 
@@ -129,7 +129,7 @@ import numpy as np
 import tensorflow as tf
 import keras
 import capuchin_tf
-from capuchin_tf.keras_callback import CapuchinCallback
+from capuchin_tf.frontend.keras_callback import CapuchinCallback
 
 keras.utils.set_random_seed(0)
 tf.config.experimental.enable_op_determinism()

@@ -2,24 +2,24 @@
 
 import pytest
 
-from capuchin_tf import _loader
+from capuchin_tf.tf import loader
 
 
 @pytest.mark.parametrize("version", ["2.21.0", "2.21.7", "2.21.0rc1"])
 def test_supported_versions_pass(version):
-    _loader.check_tensorflow_version(version)
+    loader.check_tensorflow_version(version)
 
 
 @pytest.mark.parametrize("version", ["2.20.1", "2.22.0", "3.0.0", "1.15.0", "garbage"])
 def test_unsupported_versions_are_refused_with_one_clear_message(version):
     with pytest.raises(ImportError, match=r"capuchin_tf supports TensorFlow >=2\.21,<2\.22 .* but TensorFlow "):
-        _loader.check_tensorflow_version(version)
+        loader.check_tensorflow_version(version)
 
 
 def test_the_library_was_found_and_loaded():
-    path = _loader.library_path()
-    assert path is not None and path.name == "_capuchin_ops.so" and path in _loader.candidate_paths()
-    assert not _loader.loaded_too_late()
+    path = loader.library_path()
+    assert path is not None and path.name == "_capuchin_ops.so" and path in loader.candidate_paths()
+    assert not loader.loaded_too_late()
 
 
 def test_importing_after_tensorflow_ran_an_op_warns_and_leaves_the_allocator_unwrapped(simulated_device):
@@ -33,7 +33,7 @@ def test_importing_after_tensorflow_ran_an_op_warns_and_leaves_the_allocator_unw
             import capuchin_tf
         print(json.dumps({
             "warnings": [str(w.message) for w in caught if w.category.__name__ == "ImportedTooLateWarning"],
-            "late": capuchin_tf._loader.loaded_too_late(),
+            "late": capuchin_tf.tf.loader.loaded_too_late(),
             "wrapped": capuchin_tf.allocator_stats()["wrapped"],
         }))
         """,
@@ -49,7 +49,7 @@ def test_importing_first_installs_the_wrapper(simulated_device):
         import json
         import tensorflow as tf
         import capuchin_tf
-        print(json.dumps({"late": capuchin_tf._loader.loaded_too_late(), **capuchin_tf.allocator_stats()}))
+        print(json.dumps({"late": capuchin_tf.tf.loader.loaded_too_late(), **capuchin_tf.allocator_stats()}))
         """,
         limit_mb=256,
     )
@@ -61,16 +61,16 @@ def test_a_missing_library_is_a_clear_import_error(simulated_device, tmp_path):
     result = simulated_device(
         """
         import json, pathlib
-        from capuchin_tf import _loader
-        _loader.candidate_paths = lambda: [pathlib.Path("/nonexistent/_capuchin_ops.so")]
+        from capuchin_tf.tf import loader
+        loader.candidate_paths = lambda: [pathlib.Path("/nonexistent/_capuchin_ops.so")]
         try:
-            _loader._module = None
-            _loader.load()
+            loader._module = None
+            loader.load()
             print(json.dumps({"error": None}))
         except ImportError as e:
             print(json.dumps({"error": str(e)}))
         """,
         limit_mb=64,
-        env={"PYTHONPATH": str(_loader._REPO_DIR)},
+        env={"PYTHONPATH": str(loader._REPO_DIR)},
     )
     assert result["error"] and "was not found" in result["error"] and "bazel build" in result["error"]

@@ -1,4 +1,4 @@
-"""The memory budget the device allocator wrapper enforces (`capuchin_tf.ops.set_memory_budget`).
+"""The memory budget the device allocator wrapper enforces (`capuchin_tf.tf.ops.set_memory_budget`).
 
 Each test runs in a fresh process on a simulated device larger than the budget (256 MiB against 64 MiB), so that the
 device itself never refuses what the budget must: whenever the device allocator's measured peak (BFC's
@@ -14,7 +14,7 @@ REFUSE = """
 import json
 import time
 import tensorflow as tf
-from capuchin_tf import ops
+from capuchin_tf.tf import ops
 
 MiB = 1 << 20
 BUDGET = {budget}
@@ -76,7 +76,7 @@ import json
 import random
 import threading
 import tensorflow as tf
-from capuchin_tf import ops
+from capuchin_tf.tf import ops
 
 MiB = 1 << 20
 BUDGET = {budget}
@@ -145,7 +145,7 @@ PASSIVE = """
 import hashlib
 import json
 import tensorflow as tf
-from capuchin_tf import ops
+from capuchin_tf.tf import ops
 
 MiB = 1 << 20
 BUDGET = {budget}

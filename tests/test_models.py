@@ -9,7 +9,7 @@ import sys
 import pytest
 import tensorflow as tf
 
-from capuchin_tf import models
+from capuchin_tf.cli import models
 
 QUICK = ("mlp", "cnn", "transformer", "dropout-bn")
 BATCH = 4
@@ -109,7 +109,7 @@ _DETERMINISM_CHILD = """
 import hashlib, json, sys
 sys.path.insert(0, {repo!r})
 import tensorflow as tf
-from capuchin_tf import models
+from capuchin_tf.cli import models
 out = {{}}
 for name in {names!r}:
     s = models.build(name, {batch})
@@ -127,7 +127,7 @@ def test_two_fresh_processes_give_bit_identical_losses(simulated_device):
 
     repo = str(pathlib.Path(models.__file__).resolve().parent.parent)
     code = _DETERMINISM_CHILD.format(repo=repo, names=QUICK, batch=BATCH)
-    # Children import only capuchin_tf.models (CAPUCHIN_TF_PURE=1): the zoo needs no op library.
+    # Children import only capuchin_tf.cli.models (CAPUCHIN_TF_PURE=1): the zoo needs no op library.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         runs = list(pool.map(lambda _: simulated_device(code, 2048, env={"CAPUCHIN_TF_PURE": "1"}), range(2)))
     assert runs[0] == runs[1]
@@ -165,7 +165,7 @@ sys.path.insert(0, {repo!r})
 import numpy as np
 import tensorflow as tf
 import capuchin_tf  # the simulated device as the zoo runs it (its BFC splits every chunk to the request)
-from capuchin_tf import models
+from capuchin_tf.cli import models
 load = None
 if {load!r}:
     with open({path!r}, "rb") as f:

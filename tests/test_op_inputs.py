@@ -27,7 +27,7 @@ CHILD = """
 import json
 import sys
 import tensorflow as tf
-from capuchin_tf import ops
+from capuchin_tf.tf import ops
 
 CASES = {cases!r}
 

@@ -10,9 +10,11 @@ import pytest
 import tensorflow as tf
 
 import capuchin_tf  # noqa: F401  (loads the op library)
-from capuchin_tf import capture, control_flow, models, profile
-from capuchin_tf.graph_model import Role
-from capuchin_tf.trace import AccessTrace
+from capuchin_tf.tf import capture, measure
+from capuchin_tf.core import control_flow
+from capuchin_tf.cli import models
+from capuchin_tf.core.graph_model import Role
+from capuchin_tf.core.trace import AccessTrace
 
 QUICK = [("mlp", 64), ("cnn", 8), ("transformer", 4), ("dropout-bn", 8)]
 
@@ -37,7 +39,7 @@ def _measured():
         plain = models.build(name, batch)
         plain_losses = [float(plain.train_step(*plain.inputs)) for _ in range(2)]
         setup = models.build(name, batch)
-        loss, trace = profile.measure_step(setup.train_step, setup.inputs, meta={"model": name, "batch": batch})
+        loss, trace = measure.measure_step(setup.train_step, setup.inputs, meta={"model": name, "batch": batch})
         losses = [float(loss), float(setup.train_step(*setup.inputs))]
         out[name] = dict(trace=trace, losses=losses, plain_losses=plain_losses,
                          digest=variables_digest(setup), plain_digest=variables_digest(plain))
@@ -91,16 +93,16 @@ def test_the_trace_has_roles_and_round_trips_through_json(measured, tmp_path):
 def test_memory_curve_plot(measured, tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "curve.png"
-    profile.plot_memory_curve(measured["mlp"]["trace"], str(path), title="mlp")
+    measure.plot_memory_curve(measured["mlp"]["trace"], str(path), title="mlp")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_jit_compiled_steps_are_refused():
     step = tf.function(lambda x: x * 2.0, jit_compile=True)
     with pytest.raises(capture.CaptureError, match="jit_compile"):
-        profile.measure_step(step, (tf.ones([2]),))
+        measure.measure_step(step, (tf.ones([2]),))
     with pytest.raises(capture.CaptureError, match="not a tf.function"):
-        profile.measure_step(lambda x: x, (tf.ones([2]),))
+        measure.measure_step(lambda x: x, (tf.ones([2]),))
 
 
 def test_control_flow_is_opaque():
@@ -114,7 +116,7 @@ def test_control_flow_is_opaque():
         v.assign_sub(0.01 * tape.gradient(loss, v))
         return loss
 
-    _, trace = profile.measure_step(step, (tf.ones([64, 64]),))
+    _, trace = measure.measure_step(step, (tf.ones([64, 64]),))
     # the loop is an opaque op (While) or, lowered by Grappler, a frame whose ops and tensors are not managed
     loops = [o for o in trace.graph.ops.values() if o.type in capture.FUNCTIONAL_OPS | control_flow.CONTROL_FLOW_OPS]
     assert loops and all(not o.replayable for o in loops)

@@ -11,8 +11,8 @@ import functools
 
 import pytest
 
-from capuchin_tf.bench_cli import run_worker
-from capuchin_tf.budget import fraction_budget_mb
+from capuchin_tf.cli.bench import run_worker
+from capuchin_tf.core.budget import fraction_budget_mb
 
 MiB = 1 << 20
 STEPS = 5

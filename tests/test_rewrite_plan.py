@@ -12,8 +12,9 @@ import pytest
 import tensorflow as tf
 
 import capuchin_tf  # noqa: F401  (loads the op library)
-from capuchin_tf import capture, models, ops, profile, rewrite
-from capuchin_tf.device_model import DeviceModel
+from capuchin_tf.tf import capture, ops, measure, rewrite
+from capuchin_tf.cli import models
+from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.policy import make_plan
 
 MODEL, BATCH, STEPS = "cnn", 32, 3
@@ -36,7 +37,7 @@ def plain():
 @pytest.mark.parametrize("policy", ["swap-only", "recompute-only", "capuchin"])
 def test_guided_steps_follow_the_plan_and_give_plain_tensorflows_bits(plain, policy):
     setup = models.build(MODEL, BATCH)
-    loss, trace = profile.measure_step(setup.train_step, setup.inputs)
+    loss, trace = measure.measure_step(setup.train_step, setup.inputs)
     budget = int(trace.persistent_bytes + 0.75 * (trace.peak_bytes - trace.persistent_bytes))
     plan = make_plan(trace, budget, policy, DeviceModel.from_link("native", trace))
     assert plan.decisions, plan.summary()
@@ -101,7 +102,7 @@ def test_assignments_in_place_keep_what_the_planner_knows_of_them():
     """rewrite.assignments_in_place: AssignVariableOp of a copyable dtype becomes Capuchin>AssignInPlace (same name,
     inputs, dtype), a string variable's stays; the new op is still a variable write to the graph model (optimizer
     role) and to the schedule (BatchNormalization's statistics are deferred as writes); same numbers."""
-    from capuchin_tf import schedule
+    from capuchin_tf.core import schedule
 
     w = tf.Variable(tf.ones([3]))
     s = tf.Variable("a")

@@ -10,7 +10,7 @@ FRAGMENT = """
 import json
 import tensorflow as tf
 import capuchin_tf
-from capuchin_tf import ops
+from capuchin_tf.tf import ops
 
 if {pool}:
     ops.set_small_pool(True)
@@ -53,7 +53,7 @@ def test_the_pool_takes_small_allocations_only_and_hands_what_does_not_fit_to_th
     import numpy as np
     import tensorflow as tf
     import capuchin_tf
-    from capuchin_tf import ops
+    from capuchin_tf.tf import ops
 
     def stats():
         return capuchin_tf.allocator_stats()
@@ -88,7 +88,7 @@ def test_the_pool_size_can_be_set_and_turned_off(simulated_device):
     import json
     import tensorflow as tf
     import capuchin_tf
-    from capuchin_tf import ops
+    from capuchin_tf.tf import ops
     ops.set_small_pool(True)
     keep = tf.fill([2048], 1.0)
     print(json.dumps(capuchin_tf.allocator_stats()))

@@ -21,7 +21,7 @@ def _small_tensors_on_the_device():
     """These tests count BFC chunks exactly (a handle is one 256-byte chunk), so small tensors stay out of the allocator
     wrapper's small-tensor pool, which a managed step run earlier in this process turned on (the next one turns it on
     again)."""
-    capuchin_tf.ops.set_small_pool(False)
+    capuchin_tf.tf.ops.set_small_pool(False)
 
 
 def wait_until(predicate, timeout=30.0, interval=0.002):

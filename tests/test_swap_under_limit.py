@@ -68,7 +68,7 @@ EVICT = """
 import json
 import tensorflow as tf
 import capuchin_tf
-from capuchin_tf import ops
+from capuchin_tf.tf import ops
 
 MiB = 1 << 20
 # Eight 8 MiB blocks laid out one after the other on a 72 MiB device; then the oldest (0) and two neighbours (5, 6)
@@ -106,7 +106,7 @@ def test_passive_eviction_frees_one_contiguous_run_of_the_fewest_bytes(simulated
 CONCURRENT_GETS = """
 import json
 import tensorflow as tf
-from capuchin_tf import ops
+from capuchin_tf.tf import ops
 
 N = 16 * 1024 * 1024  # 64 MiB of float32
 tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})  # no merging of the identical Gets
@@ -148,7 +148,7 @@ QUEUED_SWAP_OUTS = """
 import json
 import time
 import tensorflow as tf
-from capuchin_tf import ops
+from capuchin_tf.tf import ops
 
 # As in a managed step, small tensors go to the pool (its region taken from the device by the first one, here), so
 # the swap handles (256 bytes each) do not split the free memory after the blocks.

@@ -22,7 +22,7 @@ x = tf.random.stateless_uniform([1000], seed=[1, 2])
 y = capuchin_tf.swap_in(capuchin_tf.swap_out(x), tf.float32, [1000])
 print(json.dumps({
     "package": str(pathlib.Path(capuchin_tf.__file__).parent),
-    "library": str(capuchin_tf._loader.library_path()),
+    "library": str(capuchin_tf.tf.loader.library_path()),
     "wrapped": capuchin_tf.allocator_stats()["wrapped"],
     "bytes_limit": capuchin_tf.allocator_stats()["bytes_limit"],
     "round_trip": bool(tf.reduce_all(x == y)),

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from capuchin_tf import zoo
+from capuchin_tf.cli import zoo
 
 MiB = 1 << 20
 STEPS = 5
@@ -99,7 +99,7 @@ def test_markdown_replaces_only_the_marked_section(tmp_path):
 
 def test_table_from_classifies_recorded_runs_again(tmp_path, capsys):
     # A run recorded when this error still counted as a crash is classified with today's rules.
-    from capuchin_tf import cli
+    from capuchin_tf.cli import main
 
     split = run(ok=False, phases=[], losses_hex=[], error_type="BudgetError",
                 capuchin_error="capuchin_tf: the measured step ran out of memory twice under a budget of 50.0 MiB; "
@@ -111,7 +111,7 @@ def test_table_from_classifies_recorded_runs_again(tmp_path, capsys):
     recorded.write_text(json.dumps({"commit": "c", "date": "d", "machine": {"cores": 2}, "steps": 3, "fraction": 0.5,
                                     "cases": [entry]}))
     out_json, out_md = tmp_path / "again.json", tmp_path / "zoo.md"
-    assert cli.main(["bench", "zoo", "--table-from", str(recorded), "--json", str(out_json),
+    assert main.main(["bench", "zoo", "--table-from", str(recorded), "--json", str(out_json),
                      "--markdown", str(out_md)]) == 0
     again = json.loads(out_json.read_text())
     (case,) = again["cases"]
@@ -132,13 +132,13 @@ def test_case_selection():
 
 
 def test_bad_arguments(tmp_path, capsys):
-    from capuchin_tf import cli
+    from capuchin_tf.cli import main
 
-    assert cli.main(["bench", "zoo", "--cases", "nope"]) == 2
+    assert main.main(["bench", "zoo", "--cases", "nope"]) == 2
     assert "unknown zoo case 'nope'" in capsys.readouterr().err
-    assert cli.main(["bench", "zoo", "--ci", "--fraction", "0"]) == 2
+    assert main.main(["bench", "zoo", "--ci", "--fraction", "0"]) == 2
     assert "--fraction must be in (0, 1]" in capsys.readouterr().err
-    assert cli.main(["bench", "zoo", "--ci", "--json", str(tmp_path / "missing" / "zoo.json")]) == 2
+    assert main.main(["bench", "zoo", "--ci", "--json", str(tmp_path / "missing" / "zoo.json")]) == 2
     assert "is not a directory" in capsys.readouterr().err
 
 

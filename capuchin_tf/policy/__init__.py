@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from capuchin_tf.device_model import DeviceModel
-from capuchin_tf.plan import Plan
+from capuchin_tf.core.device_model import DeviceModel
+from capuchin_tf.core.plan import Plan
 from capuchin_tf.policy.baselines import plan_checkpoint, plan_swap_all, plan_tf
 from capuchin_tf.policy.hybrid import plan_capuchin, plan_recompute_only, plan_swap_only
-from capuchin_tf.trace import AccessTrace
+from capuchin_tf.core.trace import AccessTrace
 
 PolicyFn = Callable[..., Plan]
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from capuchin_tf.device_model import DeviceModel
-from capuchin_tf.trace import AccessTrace
-from capuchin_tf.trace_index import TraceIndex
+from capuchin_tf.core.device_model import DeviceModel
+from capuchin_tf.core.trace import AccessTrace
+from capuchin_tf.core.trace_index import TraceIndex
 
 
 @dataclasses.dataclass(frozen=True)

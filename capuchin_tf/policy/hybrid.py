@@ -24,8 +24,8 @@ import bisect
 import dataclasses
 import time
 
-from capuchin_tf.device_model import DeviceModel
-from capuchin_tf.plan import ON_DEMAND, Plan
+from capuchin_tf.core.device_model import DeviceModel
+from capuchin_tf.core.plan import ON_DEMAND, Plan
 from capuchin_tf.policy.candidates import CandidatePair, candidate_pairs, make_context, recompute_pair
 from capuchin_tf.policy.common import finalize, fits, swap_decision
 from capuchin_tf.policy.recompute import (
@@ -38,9 +38,9 @@ from capuchin_tf.policy.recompute import (
     replay_extra_bytes,
 )
 from capuchin_tf.policy.swap import SwapOption, SwapPlanner
-from capuchin_tf.simulator import InfeasiblePlanError, simulate
-from capuchin_tf.trace import AccessTrace
-from capuchin_tf.trace_index import TraceIndex
+from capuchin_tf.policy.simulator import InfeasiblePlanError, simulate
+from capuchin_tf.core.trace import AccessTrace
+from capuchin_tf.core.trace_index import TraceIndex
 
 MAX_SCAN = 16  # swap pairs evaluated per pick when looking for one that covers the predicted peak (64 was
 # slower and no better on the measured ResNet50, bert-4l and BERT-base traces: docs/results.md)

@@ -36,9 +36,9 @@ import dataclasses
 import heapq
 from typing import Callable, Iterable
 
-from capuchin_tf.plan import EARLY, ON_DEMAND, AccessRef, RecomputeDecision
+from capuchin_tf.core.plan import EARLY, ON_DEMAND, AccessRef, RecomputeDecision
 from capuchin_tf.policy.candidates import CandidatePair, Context
-from capuchin_tf.trace_index import TraceIndex
+from capuchin_tf.core.trace_index import TraceIndex
 
 SWAP_EVICTION, RECOMPUTE_EVICTION = "swap", "recompute"
 MAX_CHAIN_OPS = 4096  # a bound for baselines; the selector uses a much smaller one (max_chain_ops)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from capuchin_tf.graph_model import Role
-from capuchin_tf.synthetic import TraceBuilder
+from capuchin_tf.core.graph_model import Role
+from capuchin_tf.core.synthetic import TraceBuilder
 
 MB = 1 << 20
 MS = 1e-3

@@ -1,4 +1,4 @@
-"""parse_budget and format_bytes (capuchin_tf.budget): accepted forms, rejections and their messages, round trip."""
+"""parse_budget and format_bytes (capuchin_tf.core.budget): accepted forms, rejections and their messages, round trip."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from capuchin_tf.budget import format_bytes, parse_budget
+from capuchin_tf.core.budget import format_bytes, parse_budget
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -144,7 +144,7 @@ def test_whole_units_scale_exactly(count, unit_scale):
 
 
 def test_fraction_budget_is_persistent_plus_the_fraction_of_the_transient_rounded_up_to_a_mib():
-    from capuchin_tf.budget import fraction_budget_mb
+    from capuchin_tf.core.budget import fraction_budget_mb
 
     mib = 1 << 20
     assert fraction_budget_mb(10 * mib, 30 * mib, 0.5) == 20

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from capuchin_tf import cli, synthetic
+from capuchin_tf.cli import common, main
+
+from capuchin_tf.core import synthetic
 
 MiB = 1 << 20
 
@@ -22,7 +24,7 @@ def trace_file(tmp_path_factory):
 
 
 def run(capsys, *argv):
-    code = cli.main(list(argv))
+    code = main.main(list(argv))
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -96,13 +98,13 @@ def test_subcommands_can_be_registered(capsys):
         seen["model"] = args.model
         return 3
 
-    cli.register_subcommand("test-bench", add, run_it, help="a test subcommand")
+    common.register_subcommand("test-bench", add, run_it, help="a test subcommand")
     try:
-        assert cli.main(["test-bench", "--model", "mlp"]) == 3 and seen == {"model": "mlp"}
+        assert main.main(["test-bench", "--model", "mlp"]) == 3 and seen == {"model": "mlp"}
         with pytest.raises(ValueError):
-            cli.register_subcommand("test-bench", add, run_it)
+            common.register_subcommand("test-bench", add, run_it)
     finally:
-        del cli.SUBCOMMANDS["test-bench"]
+        del common.SUBCOMMANDS["test-bench"]
 
 
 def test_python_dash_m_runs_without_tensorflow(trace_file, tmp_path):

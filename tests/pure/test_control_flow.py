@@ -1,6 +1,6 @@
 """control_flow.analyze on hand-made lowered graphs: which ops always run, and in which frame."""
 
-from capuchin_tf.control_flow import ROOT, FlowNode, analyze
+from capuchin_tf.core.control_flow import ROOT, FlowNode, analyze
 
 
 def N(name, op="Op", inputs=(), control=(), frame=None):
@@ -109,7 +109,7 @@ import itertools  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from capuchin_tf.control_flow import IncrementalOrder  # noqa: E402
+from capuchin_tf.core.control_flow import IncrementalOrder  # noqa: E402
 
 
 def _reach(succ, u, v):

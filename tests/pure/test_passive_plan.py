@@ -1,13 +1,13 @@
-"""What passive mode hands to the pool and when the Gets run (capuchin_tf.passive), and the order the measured step
-is made to follow (capuchin_tf.schedule): no TensorFlow."""
+"""What passive mode hands to the pool and when the Gets run (capuchin_tf.core.pool_plan), and the order the measured step
+is made to follow (capuchin_tf.core.schedule): no TensorFlow."""
 
 import dataclasses
 
 import pytest
 
-from capuchin_tf.graph_model import GraphModel, OpInfo, Role, TensorInfo
-from capuchin_tf.passive import MIN_HOLD_BYTES, PooledRead, hold_plan
-from capuchin_tf.schedule import deferral_gates, schedule_order
+from capuchin_tf.core.graph_model import GraphModel, OpInfo, Role, TensorInfo
+from capuchin_tf.core.pool_plan import MIN_HOLD_BYTES, PooledRead, hold_plan
+from capuchin_tf.core.schedule import deferral_gates, schedule_order
 
 MB = 1 << 20
 

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from capuchin_tf import synthetic
-from capuchin_tf.device_model import NATIVE_BYTES_PER_S, P100_FLOP_PER_BYTE, DeviceModel, DeviceModelError
-from capuchin_tf.plan import PLAN_SCHEMA_VERSION, Plan, PlanError
+from capuchin_tf.core import synthetic
+from capuchin_tf.core.device_model import NATIVE_BYTES_PER_S, P100_FLOP_PER_BYTE, DeviceModel, DeviceModelError
+from capuchin_tf.core.plan import PLAN_SCHEMA_VERSION, Plan, PlanError
 from capuchin_tf.policy import make_plan
 
 

@@ -1,4 +1,4 @@
-"""The plan cache (capuchin_tf.plan_cache): keys and digests, store/load round trip, unusable entries, atomic writes."""
+"""The plan cache (capuchin_tf.policy.plan_cache): keys and digests, store/load round trip, unusable entries, atomic writes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import warnings
 
 import pytest
 
-from capuchin_tf import synthetic
-from capuchin_tf.plan_cache import ENTRY_KIND, ENTRY_SCHEMA_VERSION, CacheKey, PlanCache, PlanCacheWarning
+from capuchin_tf.core import synthetic
+from capuchin_tf.policy.plan_cache import ENTRY_KIND, ENTRY_SCHEMA_VERSION, CacheKey, PlanCache, PlanCacheWarning
 from capuchin_tf.policy import make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -102,7 +102,7 @@ def test_digest_is_sha256_of_the_canonical_json():
 def test_digest_is_stable_across_processes():
     code = (
         "import sys; sys.modules['tensorflow'] = None; sys.modules['keras'] = None\n"
-        "from capuchin_tf.plan_cache import CacheKey\n"
+        "from capuchin_tf.policy.plan_cache import CacheKey\n"
         "k = CacheKey('f' * 16, 'sig', 1 << 30, 'capuchin', 'native', '2.21.0', options={'z': 'x', 'a': None})\n"
         "assert not {'tensorflow', 'keras'} & {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}\n"
         "print(k.digest())\n"

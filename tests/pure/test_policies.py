@@ -8,16 +8,16 @@ import pathlib
 import pytest
 from conftest import MB
 
-from capuchin_tf import synthetic
-from capuchin_tf.device_model import DeviceModel
-from capuchin_tf.graph_model import Role
-from capuchin_tf.plan import Plan
+from capuchin_tf.core import synthetic
+from capuchin_tf.core.device_model import DeviceModel
+from capuchin_tf.core.graph_model import Role
+from capuchin_tf.core.plan import Plan
 from capuchin_tf.policy import POLICIES, UnknownPolicyError, get_policy, make_plan, register_policy
 from capuchin_tf.policy.baselines import articulation_points
 from capuchin_tf.policy.candidates import candidate_pairs, make_context
-from capuchin_tf.simulator import check_decisions, simulate
-from capuchin_tf.trace import AccessTrace
-from capuchin_tf.trace_index import TraceIndex
+from capuchin_tf.policy.simulator import check_decisions, simulate
+from capuchin_tf.core.trace import AccessTrace
+from capuchin_tf.core.trace_index import TraceIndex
 
 NATIVE = DeviceModel.from_link("native")
 TRACES = {

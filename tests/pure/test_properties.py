@@ -4,15 +4,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capuchin_tf import synthetic
-from capuchin_tf.device_model import DeviceModel
-from capuchin_tf.plan import Plan
+from capuchin_tf.core import synthetic
+from capuchin_tf.core.device_model import DeviceModel
+from capuchin_tf.core.plan import Plan
 from capuchin_tf.policy import POLICIES, make_plan
 from capuchin_tf.policy.candidates import candidate_pairs, make_context
 from capuchin_tf.policy.common import swap_decision
 from capuchin_tf.policy.hybrid import _Hybrid
 from capuchin_tf.policy.swap import SwapPlanner
-from capuchin_tf.simulator import simulate
+from capuchin_tf.policy.simulator import simulate
 
 _TRACES: dict = {}
 _CHECKED: list[int] = []

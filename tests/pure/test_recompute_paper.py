@@ -3,11 +3,11 @@
 import pytest
 from conftest import MB, MS, paper_chain
 
-from capuchin_tf.device_model import DeviceModel
+from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.policy import make_plan
 from capuchin_tf.policy.candidates import candidate_pairs, make_context, recompute_pair
 from capuchin_tf.policy.recompute import RecomputeSelector, Residency, assemble
-from capuchin_tf.simulator import simulate
+from capuchin_tf.policy.simulator import simulate
 
 SLOW_LINK = DeviceModel.symmetric(1e6)  # swaps are useless: recomputation must do the work
 

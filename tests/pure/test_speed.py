@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from capuchin_tf import synthetic
-from capuchin_tf.device_model import DeviceModel
+from capuchin_tf.core import synthetic
+from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.policy import make_plan
 
 

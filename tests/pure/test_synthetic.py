@@ -2,10 +2,10 @@
 
 import pytest
 
-from capuchin_tf import synthetic
-from capuchin_tf.graph_model import Role
-from capuchin_tf.trace import AccessTrace
-from capuchin_tf.trace_index import TraceIndex
+from capuchin_tf.core import synthetic
+from capuchin_tf.core.graph_model import Role
+from capuchin_tf.core.trace import AccessTrace
+from capuchin_tf.core.trace_index import TraceIndex
 
 GENERATORS = {
     "chain": lambda: synthetic.linear_chain(4),

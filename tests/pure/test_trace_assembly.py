@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from capuchin_tf.graph_model import GraphModel, GraphModelError, OpInfo, Role, TensorInfo, fold_views, view_base
-from capuchin_tf.trace import AccessTrace, TraceError
-from capuchin_tf.tracing import KernelEvent, MemoryEvent, assemble_trace, fold_pool_ops
+from capuchin_tf.core.graph_model import GraphModel, GraphModelError, OpInfo, Role, TensorInfo, fold_views, view_base
+from capuchin_tf.core.trace import AccessTrace, TraceError
+from capuchin_tf.core.trace_assembly import KernelEvent, MemoryEvent, assemble_trace, fold_pool_ops
 
 MB = 1 << 20
 
@@ -142,7 +142,7 @@ def test_no_kernel_of_the_graph_is_an_error():
 
 
 def test_ops_reading_backward_tensors_are_backward():
-    from capuchin_tf.graph_model import propagate_backward_roles
+    from capuchin_tf.core.graph_model import propagate_backward_roles
 
     ops = [
         OpInfo("a", "MatMul", (), (), ("a:0",), Role.FORWARD),
@@ -161,7 +161,7 @@ def test_ops_reading_backward_tensors_are_backward():
 
 
 def test_constants_under_the_tape_scope_do_not_make_forward_ops_backward():
-    from capuchin_tf.graph_model import propagate_backward_roles
+    from capuchin_tf.core.graph_model import propagate_backward_roles
 
     ops = [
         # Grappler folds constants and may name them under the tape's scope; forward ops can share them.

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capuchin_tf import synthetic
-from capuchin_tf.device_model import DeviceModel
-from capuchin_tf.graph_model import GraphModel
+from capuchin_tf.core import synthetic
+from capuchin_tf.core.device_model import DeviceModel
+from capuchin_tf.core.graph_model import GraphModel
 from capuchin_tf.policy import make_plan
-from capuchin_tf.trace import AccessTrace, TraceError, TraceFormatError
-from capuchin_tf.trace_index import TraceIndex
+from capuchin_tf.core.trace import AccessTrace, TraceError, TraceFormatError
+from capuchin_tf.core.trace_index import TraceIndex
 
 from conftest import paper_chain
 

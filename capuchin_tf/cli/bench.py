@@ -1,0 +1,551 @@
+"""`python -m capuchin_tf bench`: training steps of a named model under a memory budget, measured (benchmarks.md).
+
+    python -m capuchin_tf bench run --model cnn --batch 128 --budget-mb 117 --policy capuchin --steps 10
+        [--link native|p100] --json out.json
+    python -m capuchin_tf bench equal --model cnn --batch 128 (--budget-mb 117 | --transient-fraction 0.5)
+        --policy capuchin --steps 5 [--link native|p100] [--device-mb 16384] --json out.json
+
+`run` runs one configuration in a fresh process on a simulated device of --budget-mb MiB (design.md): the model's
+training step wrapped in `capuchin_tf.function(memory_budget=budget, policy=..., link=...)`, called --steps times on
+the model's synthetic batch (`--policy tf`: the plain `tf.function`, no decorator). It writes the measured peak,
+persistent bytes, step times (median over the steps after the first, measured, one; and `settled_median_step_s`,
+over the steps after the plan's last change, benchmarks.md's timing), losses, a digest of the variables, the plan's
+counts and the run's metadata as JSON. Exit code 0 when every step ran, 1 on out of memory.
+
+`equal` runs plain TensorFlow on a device of --device-mb MiB and the policy under --budget-mb MiB, each in its own
+fresh process, on the same seed and data, and compares them bit for bit (losses and variables); it also writes
+`throughput_ratio`, plain TensorFlow's settled median step time over the policy's. With
+--transient-fraction F the budget is persistent + F x the plain run's transient peak (its largest step peak), rounded
+up to a MiB (0.5: the protocol's "half the transient peak"). Exit code 0 when the budgeted run completed and is
+bitwise equal to plain TensorFlow, 1 otherwise.
+
+`maxbatch` finds the largest batch that runs under a budget (benchmarks.md): a batch runs when every step finished,
+the peak stayed at or under the budget, and the last 3 steps ran without an out-of-memory error (guided or plain, no
+retry, no passive-mode rescue). It doubles the batch from --start until a batch fails (or --max-batch), then bisects
+down to --resolution; each trial is a `run` in a fresh process, and every trial is written to the JSON.
+
+    python -m capuchin_tf bench maxbatch --model resnet50 --budget-mb 566 --policy capuchin --start 64
+        [--max-batch 1024] [--resolution 8] [--steps 6] [--link native|p100] --json out.json
+
+`zoo` runs the conformance zoo (capuchin_tf/zoo.py, docs/zoo.md): each case plain on a 16 GiB device, then under
+`capuchin_tf.function` at persistent + --fraction x its transient peak on a device of that budget and of twice it,
+each run a worker in a fresh process (killed after --timeout s), compared bit for bit and classified. Exit code 0
+when no run is a mismatch or a crash.
+
+    python -m capuchin_tf bench zoo [--cases NAME,...|--ci|--list] [--steps 5] [--fraction 0.5] [--timeout 900]
+        [--json docs/results/zoo.json] [--markdown docs/zoo.md]
+
+Budgets are MiB (2^20 bytes); a user mistake is exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from capuchin_tf.core.budget import fraction_budget_mb
+from capuchin_tf.cli.common import CliError, register_subcommand
+from capuchin_tf.tf.simulated_device import simulated_device_env
+
+MiB = 1 << 20
+DEFAULT_DEVICE_MB = 16384
+LINKS = ("native", "p100")
+PLAN_COUNTS = ("swapped_tensors", "swapped_bytes", "recomputed_tensors", "recomputed_bytes", "replans", "settled")
+
+
+def run_worker(args: list[str], limit_mb: int, timeout: float | None = None) -> dict:
+    """Runs `python -m capuchin_tf bench-worker ...` in a fresh process on a simulated device of `limit_mb` MiB.
+
+    The worker's progress lines go to this process's standard output as they come; returns its JSON result. Raises
+    CliError when the process leaves no result (it died, or ran longer than `timeout` seconds and was killed).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "capuchin_tf", "bench-worker", *args, "--result", str(out)]
+        sys.stdout.flush()
+        try:
+            proc = subprocess.run(cmd, env=simulated_device_env(limit_mb), stderr=subprocess.PIPE, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            raise CliError(f"the worker process was killed after the {timeout:g} s timeout:\n{stderr[-4000:]}\n"
+                           f"timed out after {timeout:g} s") from None
+        if not out.exists():
+            raise CliError(f"the worker process failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+# ---- the worker (runs inside the fresh process) ----------------------------------------------------------------------
+def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--budget-mb", type=int, required=True)
+    p.add_argument("--policy", required=True)
+    p.add_argument("--link", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--result", required=True)
+    p.add_argument("--curve", help="write the last step's device-memory curve (JSON [[s, bytes], ...]) there")
+    p.add_argument("--stop-on-rescue", action="store_true",
+                   help="stop at the first step that passive mode had to rescue (maxbatch: that batch does not run)")
+    p.add_argument("--device-mb", type=int, default=None,
+                   help="the simulated device's size, MiB, recorded (the parent sets it in the environment; default: "
+                        "--budget-mb)")
+    p.add_argument("--save-initial-values", metavar="PATH",
+                   help="write the initial values of the model's Keras variables, as built, there (bench zoo: the "
+                        "plain run)")
+    p.add_argument("--load-initial-values", metavar="PATH",
+                   help="build the model's Keras variables from the initial values written there by "
+                        "--save-initial-values instead of running their initializers on the device (bench zoo: the "
+                        "decorated runs, so that the initializers' temporaries do not decide whether the model builds "
+                        "on a device of the budget's size)")
+    p.add_argument("--record-errors", action="store_true",
+                   help="record any error of the build or a step in the result (error_type, error, traceback) "
+                        "instead of failing the process (bench zoo)")
+
+
+def _machine() -> dict:
+    import os
+    import platform
+
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        memory = None
+    return {"cores": os.cpu_count(), "memory_bytes": memory, "platform": platform.platform(),
+            "python": platform.python_version()}
+
+
+def _run_worker(a: argparse.Namespace) -> int:
+    import datetime
+    import pickle
+    import time
+    import traceback
+    import warnings
+
+    import numpy as np
+    import tensorflow as tf
+
+    import capuchin_tf  # installs the allocator wrapper before the first op (the `tf` baseline runs through it too)
+    from capuchin_tf.cli import models
+    from capuchin_tf.runtime.managed_step import oom_line
+
+    def error_line(e: Exception) -> str:
+        return f"{type(e).__name__}: {oom_line(e)}"
+
+    # capuchin_tf says with a RuntimeWarning "capuchin_tf: ..." when it leaves a step to plain TensorFlow: record
+    # every such warning (and show it), whatever the warning filters would do with a repeated one.
+    capuchin_warnings: list[str] = []
+    show = warnings.showwarning
+
+    def record_warning(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if issubclass(category, RuntimeWarning) and text.startswith("capuchin_tf:"):
+            capuchin_warnings.append(text)
+            print(f"  warning: {text}", flush=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = record_warning
+    warnings.filterwarnings("always", message="capuchin_tf:", category=RuntimeWarning)
+    recorded = (Exception,) if a.record_errors else (tf.errors.ResourceExhaustedError, capuchin_tf.CapuchinError)
+
+    def record_error(e: Exception) -> None:
+        result.update(ok=False, error=error_line(e), error_type=type(e).__name__,
+                      error_traceback=traceback.format_exc()[-6000:])
+        if isinstance(e, capuchin_tf.CapuchinError):
+            result["capuchin_error"] = str(e)
+
+    budget = a.budget_mb * MiB
+    device_mb = a.budget_mb if a.device_mb is None else a.device_mb
+    result: dict = {
+        "model": a.model, "batch": a.batch, "policy": a.policy, "link": a.link, "steps": a.steps,
+        "budget_mb": a.budget_mb, "budget_bytes": budget, "device_mb": device_mb,
+        "device_limit_bytes": int(capuchin_tf.allocator_stats()["bytes_limit"]), "tf_version": tf.__version__,
+        "capuchin_tf_version": capuchin_tf.__version__, "date": datetime.date.today().isoformat(),
+        "machine": _machine(), "ok": True, "error": None, "persistent_bytes": None, "peak_bytes": None,
+        "step_peak_bytes": [], "step_s": [], "phases": [], "late_prefetches": [], "retries": [], "losses": [],
+        "median_step_s": None, "samples_per_s": None, "swapped_tensors": 0, "swapped_bytes": 0,
+        "recomputed_tensors": 0, "recomputed_bytes": 0, "replans": 0, "settled": None, "report": None,
+        "settled_steps": 0, "settled_median_step_s": None, "error_type": None, "error_traceback": None,
+        "capuchin_error": None, "capuchin_warnings": capuchin_warnings,
+    }
+    try:
+        load = None
+        if a.load_initial_values:
+            with open(a.load_initial_values, "rb") as f:
+                load = pickle.load(f)
+        with models.initial_values(load) as made:
+            setup = models.build(a.model, a.batch)
+        if a.save_initial_values:
+            with open(a.save_initial_values, "wb") as f:
+                pickle.dump([np.asarray(v.numpy()) for v in made], f, protocol=pickle.HIGHEST_PROTOCOL)
+    except tf.errors.ResourceExhaustedError as e:
+        record_error(e)
+        result.update(error=f"the model does not build on this device: {error_line(e)}", losses_hex=[],
+                      variables_sha256=None)
+        pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
+        return 0
+    except recorded as e:
+        record_error(e)
+        result.update(error=f"the model does not build: {error_line(e)}", losses_hex=[], variables_sha256=None)
+        pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
+        return 0
+    result["model_info"] = setup.info
+    result["persistent_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    managed = None
+    if a.policy != "tf":
+        try:
+            # CAPUCHIN_TF_VERBOSE=1: the decorator says what it does (plans, retries, passive rescues) as it goes.
+            managed = capuchin_tf.function(setup.train_step, memory_budget=budget, policy=a.policy, link=a.link,
+                                           verbose=os.environ.get("CAPUCHIN_TF_VERBOSE", "") not in ("", "0"))
+        except recorded as e:
+            record_error(e)
+            result.update(losses_hex=[], variables_sha256=setup.variables_sha256())
+            pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
+            return 0
+    if managed is not None and a.stop_on_rescue:
+        managed.passive_rescue = False  # a step passive mode would have to rescue ends the run at once
+    step = setup.train_step if managed is None else managed
+    try:
+        for i in range(a.steps):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            t0 = time.perf_counter()
+            if a.curve and i == a.steps - 1:
+                from capuchin_tf.tf.measure import memory_curve
+
+                loss, curve = memory_curve(lambda: step(*setup.inputs))
+                pathlib.Path(a.curve).write_text(json.dumps(curve))
+            else:
+                loss = step(*setup.inputs)
+            seconds = time.perf_counter() - t0
+            peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+            record = next(iter(managed.report().values()))["steps"][-1] if managed is not None else None
+            phase, late = (record["phase"], record["late_prefetches"]) if record else ("plain", 0)
+            evicted = record.get("passive_evicted_bytes", 0) if record and phase == "guided" else 0
+            result["losses"].append(float(loss))
+            result["step_s"].append(seconds)
+            result["step_peak_bytes"].append(peak)
+            result["phases"].append(phase)
+            result["late_prefetches"].append(late)
+            result["retries"].append(record["retried"] if record else 0)
+            print(f"  step {i + 1}/{a.steps} ({phase}): {seconds:.2f} s, peak {peak / MiB:.1f} MiB"
+                  + (f", {late} late prefetches" if late else "")
+                  + (f", {evicted / MiB:.1f} MiB evicted on demand" if evicted else ""), flush=True)
+    except recorded as e:
+        record_error(e)
+        print(f"  step {len(result['losses']) + 1}/{a.steps}: {result['error']}", flush=True)
+    if result["step_peak_bytes"]:
+        result["peak_bytes"] = max(result["step_peak_bytes"])
+    if len(result["step_s"]) > 1:
+        result["median_step_s"] = statistics.median(result["step_s"][1:])
+        result["samples_per_s"] = a.batch / result["median_step_s"]
+    if managed is not None and managed.report():
+        result["report"] = next(iter(managed.report().values()))
+        result.update({k: result["report"][k] for k in PLAN_COUNTS})
+        # benchmarks.md times steps after the plan settled: the steps after the last plan change or retry, less the
+        # first of them (it instantiates the rewritten step), at least 3 of them.
+        steps = result["report"]["steps"][:len(result["step_s"])]
+        changed = [i for i, r in enumerate(steps) if r["plan_changed"] or r["retried"] or r["phase"] == "measured"]
+        after = result["step_s"][changed[-1] + 2:] if changed else result["step_s"][1:]
+        result["settled_steps"] = len(after)
+        result["settled_median_step_s"] = statistics.median(after) if len(after) >= 3 else None
+    elif len(result["step_s"]) >= 4:
+        result["settled_steps"] = len(result["step_s"]) - 1
+        result["settled_median_step_s"] = statistics.median(result["step_s"][1:])
+    result.update(losses_hex=[float.hex(x) for x in result["losses"]], variables_sha256=setup.variables_sha256())
+    pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+# ---- bench run / bench equal -----------------------------------------------------------------------------------------
+def _add_common_arguments(p: argparse.ArgumentParser, fraction: bool = False) -> None:
+    p.add_argument("--model", required=True, help="a model name (python -c 'from capuchin_tf import models; "
+                                                    "print(models.describe())')")
+    p.add_argument("--batch", type=int, required=True)
+    if fraction:
+        budget = p.add_mutually_exclusive_group(required=True)
+        budget.add_argument("--budget-mb", type=int, help="device memory and budget, MiB")
+        budget.add_argument("--transient-fraction", type=float,
+                            help="budget as persistent + this fraction of the plain run's transient peak (0.5: the "
+                                 "protocol's 'half the transient peak'), rounded up to a MiB")
+    else:
+        p.add_argument("--budget-mb", type=int, required=True, help="device memory and budget, MiB")
+    p.add_argument("--policy", required=True, help="a registered policy (capuchin, swap-only, recompute-only, "
+                                                   "swap-all, checkpoint) or tf (plain TensorFlow, no decorator)")
+    p.add_argument("--steps", type=int, required=True, help="training steps (the first is the measured one)")
+    p.add_argument("--link", default="native", help="link regime: native or p100 (default native)")
+    p.add_argument("--json", required=True, help="where to write the result")
+
+
+def batch_runs(r: dict, budget_bytes: int, clean_steps: int = 3) -> bool:
+    """benchmarks.md: a batch runs when the steps finished under the budget and the last `clean_steps` ran without
+    an out-of-memory error (not a retry, not a step rescued by passive mode)."""
+    if not r["ok"] or r["peak_bytes"] is None or r["peak_bytes"] > budget_bytes or len(r["phases"]) < clean_steps + 1:
+        return False
+    tail = list(zip(r["phases"], r["retries"]))[-clean_steps:]
+    return all(phase in ("guided", "plain") and retries == 0 for phase, retries in tail)
+
+
+def _maxbatch(a: argparse.Namespace) -> int:
+    if a.start < 1 or a.max_batch < a.start or a.resolution < 1:
+        raise CliError("need 1 <= --start <= --max-batch and --resolution >= 1")
+    if a.steps < 4:
+        raise CliError("--steps must be at least 4 (the measured step and 3 clean steps)")
+    budget = a.budget_mb * MiB
+    trials: list[dict] = []
+    data = {"model": a.model, "policy": a.policy, "link": a.link, "budget_mb": a.budget_mb, "budget_bytes": budget,
+            "steps": a.steps, "start": a.start, "max_batch": a.max_batch, "resolution": a.resolution,
+            "max_batch_found": None, "first_failing_batch": None, "trials": trials}
+
+    def trial(batch: int) -> bool:
+        print(f"  batch {batch}: {a.steps} steps ...", flush=True)
+        args = ["--model", a.model, "--batch", str(batch), "--budget-mb", str(a.budget_mb), "--policy", a.policy,
+                "--link", a.link, "--steps", str(a.steps), "--stop-on-rescue"]
+        r = run_worker(args, a.budget_mb)
+        runs = batch_runs(r, budget)
+        r.pop("report", None)
+        trials.append({"batch": batch, "runs": runs, **{k: r.get(k) for k in (
+            "ok", "error", "peak_bytes", "persistent_bytes", "phases", "retries", "step_s", "step_peak_bytes",
+            "median_step_s", "samples_per_s", "swapped_tensors", "swapped_bytes", "recomputed_tensors",
+            "recomputed_bytes", "replans", "date", "machine", "tf_version")}})
+        print(f"  batch {batch}: {'runs' if runs else 'does not run'} ({_summary(r)})", flush=True)
+        _write(a.json, data)
+        return runs
+
+    lo, hi = None, None
+    batch = a.start
+    while batch <= a.max_batch:
+        if trial(batch):
+            lo = batch
+            batch *= 2
+        else:
+            hi = batch
+            break
+    if lo is not None and hi is None and lo < a.max_batch and lo * 2 > a.max_batch:
+        if trial(a.max_batch):
+            lo = a.max_batch
+        else:
+            hi = a.max_batch
+    while lo is not None and hi is not None and hi - lo > a.resolution:
+        mid = (lo + hi) // 2
+        if trial(mid):
+            lo = mid
+        else:
+            hi = mid
+    data.update(max_batch_found=lo, first_failing_batch=hi)
+    _write(a.json, data)
+    found = "none (the start batch does not run)" if lo is None else str(lo)
+    print(f"{a.model}, policy {a.policy}, link {a.link}, {a.budget_mb} MiB: largest batch that runs {found}"
+          + (f"; batch {hi} does not" if hi is not None else f" (the search stopped at --max-batch {a.max_batch})"))
+    print(f"  result written to {a.json}")
+    return 0 if lo is not None else 1
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    run = sub.add_parser("run", help="one configuration in a fresh process")
+    _add_common_arguments(run)
+    run.add_argument("--curve", help="also write the last step's device-memory curve there (JSON [[s, bytes], ...])")
+    equal = sub.add_parser("equal", help="plain TensorFlow with enough memory against the policy under the budget")
+    _add_common_arguments(equal, fraction=True)
+    equal.add_argument("--device-mb", type=int, default=DEFAULT_DEVICE_MB,
+                       help=f"device memory of the plain run, MiB (default {DEFAULT_DEVICE_MB})")
+    maxbatch = sub.add_parser("maxbatch", help="the largest batch that runs under the budget")
+    maxbatch.add_argument("--model", required=True)
+    maxbatch.add_argument("--budget-mb", type=int, required=True, help="device memory and budget, MiB")
+    maxbatch.add_argument("--policy", required=True)
+    maxbatch.add_argument("--link", default="native", help="link regime: native or p100 (default native)")
+    maxbatch.add_argument("--start", type=int, required=True, help="the first batch tried")
+    maxbatch.add_argument("--max-batch", type=int, default=4096, help="the largest batch tried (default 4096)")
+    maxbatch.add_argument("--resolution", type=int, default=8,
+                          help="stop bisecting when the runs/does-not-run gap is this small (default 8)")
+    maxbatch.add_argument("--steps", type=int, default=6, help="steps per trial (default 6; the last 3 must be "
+                                                                "clean)")
+    maxbatch.add_argument("--json", required=True, help="where to write the result")
+    zoo = sub.add_parser("zoo", help="the conformance zoo: each case plain, then decorated at persistent + fraction x "
+                                     "transient peak on a device of the budget and of twice it, bit for bit "
+                                     "(docs/zoo.md)")
+    which = zoo.add_mutually_exclusive_group()
+    which.add_argument("--cases", help="comma-separated case names or groups (applications, layers, setups, tiers); "
+                                       "default: every case")
+    which.add_argument("--ci", action="store_true", help="the fast cases CI runs (tests/test_zoo.py)")
+    which.add_argument("--list", action="store_true", help="print the cases and exit")
+    which.add_argument("--table-from", metavar="JSON", help="run nothing: classify the runs of this zoo JSON again "
+                                                            "and write the table (--markdown) and the JSON (--json)")
+    zoo.add_argument("--steps", type=int, default=5, help="steps per run (default 5; the first is the measured one)")
+    zoo.add_argument("--fraction", type=float, default=0.5,
+                     help="budget = persistent + this fraction of the plain transient peak (default 0.5)")
+    zoo.add_argument("--timeout", type=float, default=900.0,
+                     help="seconds per process before it is killed and the run counted a crash (default 900)")
+    zoo.add_argument("--json", help="write the results here (after every case)")
+    zoo.add_argument("--markdown", help="write the table into this file, between its zoo-table markers "
+                                        "(docs/zoo.md)")
+
+
+def _validate(a: argparse.Namespace) -> None:
+    from capuchin_tf.policy import POLICIES
+
+    if a.batch < 1:
+        raise CliError(f"--batch must be at least 1, got {a.batch}")
+    if a.budget_mb is not None and a.budget_mb < 1:
+        raise CliError(f"--budget-mb must be at least 1, got {a.budget_mb}")
+    fraction = getattr(a, "transient_fraction", None)
+    if fraction is not None and not 0.0 < fraction <= 1.0:
+        raise CliError(f"--transient-fraction must be in (0, 1], got {fraction}")
+    if a.steps < 1:
+        raise CliError(f"--steps must be at least 1, got {a.steps}")
+    if getattr(a, "device_mb", 1) < 1:
+        raise CliError(f"--device-mb must be at least 1, got {a.device_mb}")
+    policies = sorted({*POLICIES, "tf"})
+    if a.policy not in policies:
+        raise CliError(f"unknown policy {a.policy!r}; valid policies: {', '.join(policies)}")
+    if a.link not in LINKS:
+        raise CliError(f"unknown link {a.link!r}; valid links: {', '.join(LINKS)}")
+    if not pathlib.Path(a.json).parent.is_dir():
+        raise CliError(f"cannot write {a.json}: {pathlib.Path(a.json).parent} is not a directory")
+    from capuchin_tf.cli.models import MODELS
+    from capuchin_tf.cli.zoo import is_zoo_model
+
+    if a.model not in MODELS and not is_zoo_model(a.model):
+        raise CliError(f"unknown model {a.model!r}; valid models: {', '.join(MODELS)} (and the zoo's cases: "
+                       "python -m capuchin_tf bench zoo --list)")
+
+
+def _worker_args(a: argparse.Namespace, policy: str, budget_mb: int) -> list[str]:
+    return ["--model", a.model, "--batch", str(a.batch), "--budget-mb", str(budget_mb), "--policy", policy,
+            "--link", a.link, "--steps", str(a.steps)]
+
+
+def _write(path: str, data: dict) -> None:
+    """Writes a bench result, stamped with the commit it was measured on (zoo.git_commit)."""
+    from capuchin_tf.cli.zoo import git_commit
+
+    data = {"commit": git_commit(), **data}
+    try:
+        pathlib.Path(path).write_text(json.dumps(data, indent=1))
+    except OSError as e:
+        raise CliError(f"cannot write {path}: {e}") from None
+
+
+def _summary(r: dict) -> str:
+    if not r["ok"]:
+        return f"failed ({len(r['losses'])} of {r['steps']} steps done): {r['error']}"
+    peak = f"peak {r['peak_bytes'] / MiB:.1f} MiB of {r['budget_bytes'] / MiB:.0f} MiB"
+    speed = (f"median step {r['median_step_s']:.3f} s ({r['samples_per_s']:.1f} samples/s)"
+             if r["median_step_s"] is not None else "no step after the measured one to time")
+    plan = "plain TensorFlow, no plan" if r["policy"] == "tf" else (
+        f"swapped {r['swapped_tensors']} tensors ({r['swapped_bytes'] / MiB:.1f} MiB), recomputed "
+        f"{r['recomputed_tensors']} ({r['recomputed_bytes'] / MiB:.1f} MiB), {r['replans']} re-plans, "
+        f"{'settled' if r['settled'] else 'not settled'}")
+    return f"{peak}, persistent {r['persistent_bytes'] / MiB:.1f} MiB; {speed}; {plan}"
+
+
+def _zoo(a: argparse.Namespace) -> int:
+    from capuchin_tf.cli import zoo
+
+    if a.list:
+        print(zoo.describe())
+        return 0
+    if a.table_from:
+        try:
+            data = zoo.reclassify(json.loads(pathlib.Path(a.table_from).read_text()))
+        except (OSError, ValueError) as e:
+            raise CliError(f"cannot read {a.table_from}: {e}") from None
+        if a.json:
+            pathlib.Path(a.json).write_text(json.dumps(data, indent=1))
+        if a.markdown:
+            zoo.write_markdown(a.markdown, data)
+        print(zoo.markdown_table(data))
+        return 0
+    if a.steps < 1:
+        raise CliError(f"--steps must be at least 1, got {a.steps}")
+    if not 0.0 < a.fraction <= 1.0:
+        raise CliError(f"--fraction must be in (0, 1], got {a.fraction}")
+    if a.timeout <= 0:
+        raise CliError(f"--timeout must be positive, got {a.timeout}")
+    for path in (a.json, a.markdown):
+        if path and not pathlib.Path(path).parent.is_dir():
+            raise CliError(f"cannot write {path}: {pathlib.Path(path).parent} is not a directory")
+    try:
+        cases = zoo.select(a.cases, a.ci)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if not cases:
+        raise CliError("no case selected")
+    arguments = " ".join(sys.argv[sys.argv.index("zoo") + 1:]) if "zoo" in sys.argv else ""
+    print(f"bench zoo: {len(cases)} cases, {a.steps} steps per run, budget = persistent + {a.fraction:g} x transient "
+          f"peak, timeout {a.timeout:g} s per process", flush=True)
+    return zoo.run_zoo(cases, a.steps, a.fraction, a.json, a.markdown, a.timeout, arguments=arguments,
+                       echo=lambda line: print(line, flush=True))
+
+
+def _run(a: argparse.Namespace) -> int:
+    if a.action == "zoo":
+        return _zoo(a)
+    if a.action == "maxbatch":
+        a.batch = a.start
+        _validate(a)
+        print(f"bench maxbatch: {a.model}, policy {a.policy}, link {a.link}, {a.budget_mb} MiB device ...", flush=True)
+        return _maxbatch(a)
+    _validate(a)
+    what = f"{a.model}, batch {a.batch}, policy {a.policy}, link {a.link}"
+    if a.action == "run":
+        print(f"bench run: {what}, {a.budget_mb} MiB device, steps: {a.steps} ...", flush=True)
+        extra = ["--curve", a.curve] if getattr(a, "curve", None) else []
+        result = run_worker(_worker_args(a, a.policy, a.budget_mb) + extra, a.budget_mb)
+        _write(a.json, result)
+        print(f"{what}: {_summary(result)}")
+        print(f"  result written to {a.json}")
+        return 0 if result["ok"] else 1
+
+    print(f"[1/2] plain TensorFlow, {a.device_mb} MiB device, steps: {a.steps} ...", flush=True)
+    plain = run_worker(_worker_args(a, "tf", a.device_mb), a.device_mb)
+    if not plain["ok"]:
+        raise CliError(f"plain TensorFlow does not run on {a.device_mb} MiB: {plain['error']} (raise --device-mb)")
+    if a.transient_fraction is not None:
+        a.budget_mb = fraction_budget_mb(plain["persistent_bytes"], plain["peak_bytes"], a.transient_fraction)
+        print(f"  plain peak {plain['peak_bytes'] / MiB:.1f} MiB, persistent {plain['persistent_bytes'] / MiB:.1f} "
+              f"MiB: budget {a.budget_mb} MiB (persistent + {a.transient_fraction:g} x transient)", flush=True)
+    print(f"[2/2] policy {a.policy}, {a.budget_mb} MiB device, steps: {a.steps} ...", flush=True)
+    managed = run_worker(_worker_args(a, a.policy, a.budget_mb), a.budget_mb)
+    equal = (managed["ok"] and managed["losses_hex"] == plain["losses_hex"]
+             and managed["variables_sha256"] == plain["variables_sha256"])
+    meta = ("model", "batch", "policy", "link", "steps", "budget_mb", "budget_bytes", "tf_version",
+            "capuchin_tf_version", "date", "machine")
+    data = {**{k: managed[k] for k in meta}, "device_mb": a.device_mb,
+            "transient_fraction": a.transient_fraction, "ok": managed["ok"],
+            "error": managed["error"], "bitwise_equal": equal, "plain_peak_bytes": plain["peak_bytes"],
+            "peak_bytes": managed["peak_bytes"], "persistent_bytes": managed["persistent_bytes"],
+            "plain_median_step_s": plain["median_step_s"], "median_step_s": managed["median_step_s"],
+            "samples_per_s": managed["samples_per_s"],
+            "plain_settled_median_step_s": plain["settled_median_step_s"],
+            "settled_median_step_s": managed["settled_median_step_s"],
+            "throughput_ratio": (plain["settled_median_step_s"] / managed["settled_median_step_s"]
+                                 if plain["settled_median_step_s"] and managed["settled_median_step_s"] else None),
+            **{k: managed[k] for k in PLAN_COUNTS}, "plain": plain,
+            "managed": managed}
+    _write(a.json, data)
+    print(f"{what}: {_summary(managed)}")
+    if data["throughput_ratio"] is not None:
+        print(f"  throughput after settling: {data['throughput_ratio']:.3f}x plain TensorFlow (median step "
+              f"{managed['settled_median_step_s']:.3f} s over {managed['settled_steps']} steps, plain "
+              f"{plain['settled_median_step_s']:.3f} s)")
+    compared = "yes" if equal else ("NO" if managed["ok"] else "not compared (the run failed)")
+    print(f"  plain TensorFlow: peak {plain['peak_bytes'] / MiB:.1f} MiB on {a.device_mb} MiB; losses and "
+          f"variables bit-for-bit equal to it: {compared}")
+    print(f"  result written to {a.json}")
+    return 0 if equal else 1
+
+
+register_subcommand("bench", _add_arguments, _run,
+                    help="train a named model under a memory budget and measure it (run), compare it bit for bit "
+                         "with plain TensorFlow (equal), find the largest batch that runs (maxbatch), or run the "
+                         "conformance zoo (zoo)")
+register_subcommand("bench-worker", _add_worker_arguments, _run_worker,
+                    help="(internal) one run of `bench` in a fresh process")

@@ -1,0 +1,358 @@
+"""Capture: a user's training step as a graph, and its graph model. The one place that reads TensorFlow graphs.
+
+`concrete_step(fn, args)` gets the ConcreteFunction of a `tf.function` training step (forward, GradientTape
+gradients and optimizer updates are inline in one flat graph, tf-notes.md); `graph_model(graph_def, func_graph)`
+turns the post-optimization GraphDef (what the executor really runs) into the pure GraphModel, with sizes taken
+from the captured graph's static shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import weakref
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, op_def_pb2, types_pb2
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.eager import cancellation, context
+from tensorflow.python.framework import op_def_registry
+from tensorflow.python.ops import resource_variable_ops
+
+from capuchin_tf.core import control_flow
+from capuchin_tf.core.graph_model import GraphModel, OpInfo, Role, TensorInfo, propagate_backward_roles, tensor_id
+from capuchin_tf.core.schedule import is_variable_writer
+
+# Ops whose bodies run in nested functions: opaque to capuchin_tf, their inner tensors are not managed.
+FUNCTIONAL_OPS = frozenset({
+    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall", "RemoteCall", "For",
+})
+# Ops whose outputs alias memory that outlives the step (arguments, variables, constants).
+PERSISTENT_PRODUCERS = frozenset({"_Arg", "Placeholder", "Const", "HostConst", "ReadVariableOp", "VarHandleOp",
+                                  "VariableV2", "ResourceGather"})
+BOOKKEEPING_OPS = frozenset({"_Arg", "_Retval", "NoOp", "Const", "HostConst", "ReadVariableOp", "VarHandleOp",
+                             "Identity", "IdentityN", "Placeholder", "Shape", "ShapeN", "Size", "Rank"})
+
+
+class CaptureError(ValueError):
+    """The step cannot be captured (not a tf.function, XLA-compiled, ...)."""
+
+
+def concrete_step(fn, args):
+    """The ConcreteFunction of `fn` for `args` (tensors or TensorSpecs)."""
+    if not hasattr(fn, "get_concrete_function"):
+        raise CaptureError(
+            f"{fn!r} is not a tf.function: wrap the training step with @tf.function (or @capuchin_tf.function)"
+        )
+    if getattr(fn, "_jit_compile", False):
+        raise CaptureError(
+            "the training step is compiled with XLA (jit_compile=True): capuchin_tf's custom ops cannot run under "
+            "XLA. Use jit_compile=False for the step capuchin_tf manages."
+        )
+    return fn.get_concrete_function(*args)
+
+
+_NONCES = itertools.count(1 << 30)  # timeline_step values no other call uses (see optimized_graph)
+
+
+def optimized_graph(concrete, args) -> graph_pb2.GraphDef:
+    """The post-optimization GraphDef TensorFlow runs for `concrete(*args)`, obtained without running the step.
+
+    The function is called with a cancellation manager that is already cancelled: TensorFlow instantiates it (the
+    placer and Grappler run, run metadata collects the optimized graph) and then refuses to start it, so no op runs
+    and no variable is written. Used when the step may not fit the device (the measured step under a budget).
+    """
+    ctx = context.context()
+    flush = tf.constant(0)
+    tf.identity(flush)  # instantiated now, so that running it below adds no graph of its own
+    manager = cancellation.CancellationManager()
+    manager.start_cancel()
+    # A config no other call uses: the function is instantiated (optimized) anew even if it ran before, and the
+    # instantiation is what hands over the graph. The field set is one only DirectSession reads.
+    old = ctx.function_call_options
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(old.config_proto_serialized or b"")
+    config.graph_options.timeline_step = next(_NONCES)
+    ctx.function_call_options = context.FunctionCallOptions(executor_type=old.executor_type, config_proto=config)
+    ctx.enable_run_metadata()
+    try:
+        ctx.export_run_metadata()  # drop anything collected before this call
+        try:
+            manager.get_cancelable_function(concrete)(*args)
+        except tf.errors.CancelledError:
+            pass
+        else:
+            raise CaptureError("the step ran although it was cancelled before its start")
+        tf.identity(flush)  # an executed eager op hands the graphs collected at instantiation to the run metadata
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_run_metadata()
+        ctx.function_call_options = old
+    graph = _pick_graph(metadata, concrete.graph)
+    names = [n.name for n in graph.node]
+    if len(set(names)) != len(names):
+        raise CaptureError("the optimized graph TensorFlow returned has duplicate node names")
+    return graph
+
+
+def run_with_post_optimization_graph(call, func_graph):
+    """Runs `call()` once with run metadata on; returns (its result, the post-optimization GraphDef it executed).
+
+    `func_graph` is the graph of the function `call` runs: run metadata can also carry graphs of other functions
+    (seen: a graph of a function run earlier in the process), so the one sharing most node names with it is taken.
+    """
+    ctx = context.context()
+    ctx.enable_run_metadata()
+    try:
+        ctx.export_run_metadata()  # drop anything collected before this call
+        result = call()
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_run_metadata()
+    return result, _pick_graph(metadata, func_graph)
+
+
+def _pick_graph(metadata, func_graph) -> graph_pb2.GraphDef:
+    graphs = [fg.post_optimization_graph for fg in metadata.function_graphs]
+    if not graphs:
+        raise CaptureError("TensorFlow returned no function graph for the step (was it a tf.function call?)")
+    names = {op.name for op in func_graph.get_operations()}
+    return max(graphs, key=lambda g: sum(n.name in names for n in g.node))
+
+
+def arg_types(node, args) -> list[int]:
+    """The DataType enum of each tensor an op's argument list (an OpDef's `input_arg` or `output_arg`) stands for in
+    `node`, expanded over list and repeated arguments; 0 (DT_INVALID) where the node does not set its type."""
+    out = []
+    for arg in args:
+        if arg.type_list_attr:
+            out += list(node.attr[arg.type_list_attr].list.type)
+            continue
+        if arg.type_attr:
+            dtype = node.attr[arg.type_attr].type if arg.type_attr in node.attr else 0
+        else:
+            dtype = arg.type
+        out += [dtype] * (node.attr[arg.number_attr].i if arg.number_attr else 1)
+    return out
+
+
+def num_outputs(node, op_def) -> int:
+    return len(arg_types(node, op_def.output_arg))
+
+
+def _output_dtypes(node, op_def) -> list[str]:
+    return [tf.as_dtype(t).name if t else "unknown" for t in arg_types(node, op_def.output_arg)]
+
+
+def resource_inputs(node) -> list[int]:
+    """Indices of `node`'s data inputs of type resource (from its OpDef; none for an op TensorFlow does not know)."""
+    op_def = op_def_registry.get(node.op)
+    if op_def is None:
+        return []
+    return [i for i, t in enumerate(arg_types(node, op_def.input_arg)) if t == types_pb2.DT_RESOURCE]
+
+
+def variable_shapes_and_dtypes(handle) -> list[tuple[tf.DType, tf.TensorShape]] | None:
+    """What a captured resource handle says of the variable it refers to (dtype and shape; several for a handle that
+    carries more), or None when it is not a handle or carries no such data (a lookup table, an iterator)."""
+    if getattr(handle, "dtype", None) != tf.resource:
+        return None
+    data = resource_variable_ops.get_eager_safe_handle_data(handle)
+    if data is None or not data.is_set or not data.shape_and_type:
+        return None
+    return [(tf.as_dtype(d.dtype), tf.TensorShape(d.shape)) for d in data.shape_and_type]
+
+
+def _normalize_input(name: str) -> str:
+    return name if ":" in name else f"{name}:0"
+
+
+def is_backward_name(node_name: str) -> bool:
+    """Whether a node's name puts it in the backward pass (GradientTape's and tf.gradients' name scopes)."""
+    return node_name.startswith("gradient_tape/") or "/gradient_tape/" in node_name or node_name.startswith("gradients/")
+
+
+def _role(node_name: str, op_type: str, optimizer_scopes: tuple[str, ...]) -> Role:
+    if is_backward_name(node_name):
+        return Role.BACKWARD
+    if is_variable_writer(op_type) or any(node_name.lower().startswith(s) for s in optimizer_scopes):
+        return Role.OPTIMIZER
+    if op_type in BOOKKEEPING_OPS:
+        return Role.OTHER
+    return Role.FORWARD
+
+
+# A node capuchin_tf inserts carries, per output, the tensor of the original graph whose value (hence dtype and static
+# shape) that output has: a recomputation's clones and views their originals, a Get or a SwapIn the tensor it holds.
+MIRRORS_ATTR = "_capuchin_mirrors"
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticTensor:
+    dtype: tf.DType
+    shape: tf.TensorShape
+
+
+_STATIC: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _static_of(func_graph) -> dict[str, StaticTensor]:
+    """Every tensor of `func_graph` by name, read once per graph (reading them one by one through the graph's API
+    costs more than the rest of a pass over a large graph)."""
+    table = _STATIC.get(func_graph)
+    if table is None:
+        table = {t.name: StaticTensor(t.dtype, t.shape) for op in func_graph.get_operations() for t in op.outputs}
+        _STATIC[func_graph] = table
+    return table
+
+
+def refine_static(func_graph, original) -> None:
+    """Sharpens the static shapes read from `func_graph` (the optimized graph imported) with those of the captured
+    graph `original`, tensor by tensor where the names match: shape inference on the lowered graph loses what goes
+    through a loop (a Merge's input from the next iteration is not known when the Merge is inferred, so the loop's
+    outputs, and everything computed from them, get unknown dimensions), while the captured graph's functional While
+    op kept them (seen: a step whose MLP follows a tf.while_loop had every activation of unknown size, so none was
+    pooled, and its measured step ran out of memory at half its transient peak)."""
+    table = _static_of(func_graph)
+    for op in original.get_operations():
+        for t in op.outputs:
+            known = table.get(t.name)
+            if known is None or known.shape.is_fully_defined() or known.dtype != t.dtype:
+                continue
+            if known.shape.is_compatible_with(t.shape):
+                table[t.name] = StaticTensor(known.dtype, known.shape.merge_with(t.shape))
+
+
+def static_tensor(func_graph, node, slot: int) -> StaticTensor | None:
+    """The dtype and static shape of output `slot` of `node` (a NodeDef of the graph `func_graph` was imported from,
+    or of an edited copy of it), None if unknown. Nodes capuchin_tf inserted are found through their MIRRORS_ATTR,
+    so an edited graph needs no import of its own."""
+    table = _static_of(func_graph)
+    found = table.get(f"{node.name}:{slot}")
+    if found is not None:
+        return found
+    mirrors = node.attr[MIRRORS_ATTR].list.s if MIRRORS_ATTR in node.attr else []
+    return table.get(mirrors[slot].decode()) if slot < len(mirrors) else None
+
+
+def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
+                optimizer_scopes: tuple[str, ...] = ("sgd/", "adam/", "adamw/", "rmsprop/", "optimizer/")
+                ) -> GraphModel:
+    """The GraphModel of a post-optimization GraphDef, edited or not. `func_graph` (the optimized graph imported,
+    `rewrite.rebuild(...).graph`) supplies static shapes (`static_tensor`)."""
+    nodes = list(graph_def.node)
+    consumers: dict[str, list[str]] = {}
+    for node in nodes:
+        for inp in node.input:
+            if not inp.startswith("^"):
+                consumers.setdefault(_normalize_input(inp), []).append(node.name)
+
+    # Lowered conds and loops: which ops always run (control_flow.py).
+    flow = control_flow.of_graph_def(graph_def)
+    by_name = {n.name: n for n in nodes}
+
+    def _input_dtype(ref: str) -> str:
+        """The dtype name of a data input ("node:slot"), "unknown" when it cannot be told."""
+        name, _, slot = ref.partition(":")
+        producer = by_name.get(name)
+        op_def = op_def_registry.get(producer.op) if producer is not None else None
+        if op_def is None:
+            return "unknown"
+        dtypes = _output_dtypes(producer, op_def)
+        k = int(slot) if slot else 0
+        return dtypes[k] if k < len(dtypes) else "unknown"
+    ops, tensors = [], []
+    for node in nodes:
+        op_def = op_def_registry.get(node.op)
+        stateful = bool(op_def.is_stateful) if op_def is not None else True
+        if op_def is not None:
+            n_out = num_outputs(node, op_def)
+            dtypes = _output_dtypes(node, op_def)
+        else:  # an op this process does not know: keep what its consumers tell
+            slots = [int(t.rsplit(":", 1)[1]) for t in consumers if t.rsplit(":", 1)[0] == node.name]
+            n_out = max(slots) + 1 if slots else 0
+            dtypes = ["unknown"] * n_out
+        outputs = []
+        for slot in range(n_out):
+            tid = tensor_id(node.name, slot)
+            shape, nbytes = None, -1
+            static = static_tensor(func_graph, node, slot) if func_graph is not None else None
+            if static is not None and static.shape.rank is not None:
+                shape = tuple(-1 if d is None else int(d) for d in static.shape.as_list())
+                dtype = static.dtype
+                if static.shape.is_fully_defined() and dtype.is_numpy_compatible and dtype != tf.string:
+                    nbytes = int(static.shape.num_elements()) * dtype.size
+            tensors.append(TensorInfo(
+                id=tid, op=node.name, dtype=dtypes[slot] if slot < len(dtypes) else "unknown", shape=shape,
+                nbytes=nbytes, consumers=tuple(consumers.get(tid, ())),
+                persistent=node.op in PERSISTENT_PRODUCERS,
+            ))
+            outputs.append(tid)
+        always_runs = flow.always_runs(node.name)
+        # Replayable: running it again on the same inputs gives the same bits. Not a stateful op (variables, random
+        # ops with a hidden state), nor lowered or functional control flow, nor an op that may not run, nor one that
+        # reads a resource or a variant (what a handle or a list refers to can change between the run and the replay).
+        replayable = (not stateful and node.op not in FUNCTIONAL_OPS and node.op not in control_flow.CONTROL_FLOW_OPS
+                      and always_runs and node.op not in ("_Arg", "_Retval")
+                      and not any(_input_dtype(i) in ("resource", "variant") for i in node.input
+                                  if not i.startswith("^")))
+        ops.append(OpInfo(
+            name=node.name, type=node.op,
+            inputs=tuple(_normalize_input(i) for i in node.input if not i.startswith("^")),
+            control_inputs=tuple(i[1:] for i in node.input if i.startswith("^")),
+            outputs=tuple(outputs), role=_role(node.name, node.op, optimizer_scopes),
+            stateful=stateful, replayable=replayable, always_runs=always_runs,
+        ))
+    # Inputs naming tensors of nodes that are not in this graph (should not happen in a post-optimization graph)
+    # would make the model inconsistent: drop them with the check.
+    known = {t.id for t in tensors}
+    ops = [o if all(i in known for i in o.inputs) else
+           dataclasses.replace(o, inputs=tuple(i for i in o.inputs if i in known)) for o in ops]
+    return propagate_backward_roles(GraphModel.build(ops, tensors))
+
+
+def graph_fingerprint(graph_def: graph_pb2.GraphDef) -> str:
+    """A digest of a step's graph that is the same in every process that traces the same step: every node's name, op,
+    inputs, device and attributes (so a model with other shapes, dtypes or hyperparameters differs), with the functions
+    it calls (conds, loops) digested by content, since their names carry a per-process counter."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    memo: dict[str, str] = {}
+
+    def attr_digest(value: attr_value_pb2.AttrValue) -> bytes:
+        value = attr_value_pb2.AttrValue.FromString(value.SerializeToString())
+        funcs = [value.func] if value.HasField("func") else list(value.list.func)
+        for f in funcs:
+            f.name = function_digest(f.name)
+            for a in f.attr.values():
+                a.CopyFrom(attr_value_pb2.AttrValue(s=attr_digest(a)))
+        return value.SerializeToString(deterministic=True)
+
+    def nodes_digest(h, nodes) -> None:
+        for node in sorted(nodes, key=lambda n: n.name):
+            h.update(f"{node.name}|{node.op}|{','.join(node.input)}|{node.device}".encode())
+            for key in sorted(node.attr):
+                h.update(key.encode() + b"=" + attr_digest(node.attr[key]) + b";")
+
+    def function_digest(name: str) -> str:
+        if name in memo:
+            return memo[name]
+        memo[name] = "<recursive>"
+        f = library.get(name)
+        h = hashlib.sha256()
+        if f is None:
+            h.update(name.encode())  # not in the library: a registered op or an outside function, by name
+        else:
+            sig = op_def_pb2.OpDef.FromString(f.signature.SerializeToString())
+            sig.name = ""
+            h.update(sig.SerializeToString(deterministic=True))
+            nodes_digest(h, f.node_def)
+            for k in sorted(f.ret):
+                h.update(f"{k}->{f.ret[k]};".encode())
+        memo[name] = h.hexdigest()
+        return memo[name]
+
+    h = hashlib.sha256()
+    nodes_digest(h, graph_def.node)
+    return h.hexdigest()
