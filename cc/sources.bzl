@@ -8,8 +8,6 @@ CAPUCHIN_OPS_SRCS = [
     "ops/capuchin_ops.cc",
     "kernels/host_store.cc",
     "kernels/swap_kernels.cc",
-    "kernels/access_recorder.cc",
-    "kernels/recorder_kernels.cc",
     "kernels/stats_kernels.cc",
     "kernels/device_allocator.cc",
     "kernels/variable_kernels.cc",
@@ -17,7 +15,6 @@ CAPUCHIN_OPS_SRCS = [
 
 CAPUCHIN_OPS_HDRS = [
     "kernels/host_store.h",
-    "kernels/access_recorder.h",
     "kernels/device_allocator.h",
     "kernels/kernel_inputs.h",
 ]

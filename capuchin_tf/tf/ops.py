@@ -169,26 +169,6 @@ def drain_stalls() -> dict[str, np.ndarray]:
             "name": np.array([s.decode() for s in names.numpy().tolist()], dtype=object)}
 
 
-def record_access(tensor, tensor_id: str, access_index: int = 0) -> tf.Tensor:
-    """Forwards `tensor` unchanged and records (tensor_id, access_index, time, device bytes in use)."""
-    return _ops.capuchin_record_access(tensor, tensor_id=tensor_id, access_index=access_index)
-
-
-def drain_access_records() -> dict[str, np.ndarray]:
-    """Every access recorded since the last drain, in recording order, as arrays.
-
-    Keys: `tensor_id` (str), `access_index`, `time_ns` (CLOCK_MONOTONIC, comparable with time.monotonic_ns()),
-    `bytes_in_use` (-1 where the allocator keeps no statistics).
-    """
-    ids, accesses, times, in_use = _ops.capuchin_drain_access_records()
-    return {
-        "tensor_id": np.array([s.decode() for s in ids.numpy().tolist()], dtype=object),
-        "access_index": accesses.numpy(),
-        "time_ns": times.numpy(),
-        "bytes_in_use": in_use.numpy(),
-    }
-
-
 def allocator_stats(device: str = "/device:CPU:0") -> dict[str, int | bool]:
     """The device allocator's bytes in use, peak and limit (-1 if not tracked), whether capuchin_tf wraps it, the
     same three for the wrapper's small-tensor pool (-1 without one; the pool's region counts in the device's bytes in

@@ -239,10 +239,7 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const A
   if (small_ != nullptr && num_bytes > 0 && num_bytes <= kSmallMaxBytes && small_on_.load(std::memory_order_relaxed)) {
     AllocationAttributes no_retry(false, attr.allocation_will_be_logged, attr.freed_by_func);
     ptr = small_->AllocateRaw(alignment, num_bytes, no_retry);
-    if (ptr != nullptr) {
-      allocations_.fetch_add(1, std::memory_order_relaxed);
-      return ptr;
-    }
+    if (ptr != nullptr) return ptr;
   }
   if (HostStore::Global()->passive()) {
     // Passive mode (the paper's on-demand eviction): try without the allocator's own wait-and-retry; on failure
@@ -286,10 +283,7 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const A
   }
   if (ptr == nullptr) ptr = base_->AllocateRaw(alignment, num_bytes, attr);
   if (ptr == nullptr) RecordRefusal(num_bytes);
-  if (ptr != nullptr) {
-    allocations_.fetch_add(1, std::memory_order_relaxed);
-    if (trace_owners_) RecordOwner(ptr, num_bytes);
-  }
+  if (ptr != nullptr && trace_owners_) RecordOwner(ptr, num_bytes);
   return ptr;
 }
 
@@ -367,10 +361,7 @@ void* CapuchinAllocator::AllocateWithinBudget(size_t alignment, size_t num_bytes
     // region from the device. Refused, the allocation goes to the device as below.
     auto small = [&] { return small_->AllocateRaw(alignment, num_bytes, no_retry); };
     ptr = small_region_[0].load() != 0 ? small() : Admit(budget, MaxBytesAdded(small_pool_bytes_), &excess, small);
-    if (ptr != nullptr) {
-      allocations_.fetch_add(1, std::memory_order_relaxed);
-      return ptr;
-    }
+    if (ptr != nullptr) return ptr;
   }
   const int64_t bytes_added = MaxBytesAdded(num_bytes);
   HostStore* store = HostStore::Global();
@@ -417,10 +408,7 @@ void* CapuchinAllocator::AllocateWithinBudget(size_t alignment, size_t num_bytes
                    << " bytes by up to " << excess << (store->passive() ? " with nothing left to evict" : "");
     }
   }
-  if (ptr != nullptr) {
-    allocations_.fetch_add(1, std::memory_order_relaxed);
-    if (trace_owners_) RecordOwner(ptr, num_bytes);
-  }
+  if (ptr != nullptr && trace_owners_) RecordOwner(ptr, num_bytes);
   return ptr;
 }
 
@@ -484,7 +472,6 @@ const std::vector<HostStore::ChunkSpan>* CapuchinAllocator::ChunkMap() {
 }
 
 void CapuchinAllocator::DeallocateRaw(void* ptr) {
-  deallocations_.fetch_add(1, std::memory_order_relaxed);
   if (trace_owners_) {
     std::lock_guard<std::mutex> lock(owners_mu_);
     owners_.erase(reinterpret_cast<uint64_t>(ptr));

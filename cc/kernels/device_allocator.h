@@ -2,7 +2,7 @@
 // a "CPU" device factory of higher priority than the stock one when the op library loads (tf-notes.md). It has to be
 // in place before TensorFlow creates its devices, which is why capuchin_tf loads the library at import.
 //
-// By default it forwards every call and counts allocations (plain TensorFlow runs through it unchanged). On top of
+// By default it forwards every call (plain TensorFlow runs through it unchanged). On top of
 // that, each switched on by capuchin_tf's runtime:
 //   - passive mode (HostStore::SetPassive): an allocation that fails evicts pooled tensors to host memory and
 //     retries, waiting for copies in flight when nothing is left to evict;
@@ -60,8 +60,6 @@ class CapuchinAllocator : public Allocator {
   static CapuchinAllocator* Installed();
 
   Allocator* base() const { return base_; }
-  int64_t allocations() const { return allocations_.load(std::memory_order_relaxed); }
-  int64_t deallocations() const { return deallocations_.load(std::memory_order_relaxed); }
   void SetSmallPool(bool on) { small_on_.store(on, std::memory_order_relaxed); }
   // The last allocation the wrapper could not satisfy (at the device's limit or the budget, after passive mode's
   // evictions): its size, the device's bytes in use then, the largest free chunk then (smaller than the request with
@@ -156,8 +154,6 @@ class CapuchinAllocator : public Allocator {
   const bool trace_owners_;
   std::mutex owners_mu_;
   std::unordered_map<uint64_t, std::pair<std::string, int64_t>> owners_;  // op, HostStore::TraceSeq()
-  std::atomic<int64_t> allocations_{0};
-  std::atomic<int64_t> deallocations_{0};
 };
 
 }  // namespace capuchin

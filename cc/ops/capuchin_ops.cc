@@ -1,7 +1,7 @@
 // Op definitions of capuchin_tf (interfaces and shape functions only; kernels live in cc/kernels/).
 //
 // Every op is namespaced "Capuchin>" and stateful: Grappler never prunes, merges, folds or moves a stateful op, which
-// is what swap, prefetch and timestamp nodes inserted into a training step need.
+// is what the swap, prefetch and pool nodes inserted into a training step need.
 
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -261,33 +261,6 @@ Every stall recorded since the last drain (CLOCK_MONOTONIC ns): kind 0 a passive
 kind 1 a Get that brought an evicted tensor back, kind 2 a SwapIn that waited for its copy (a late prefetch or an
 on-demand swap-in), kind 3 a prefetched tensor evicted again before its SwapIn (an allocation failed), with the
 tensor's name for kinds 1 to 3. Empties the log.
-)doc");
-
-REGISTER_OP("Capuchin>RecordAccess")
-    .Input("tensor: T")
-    .Output("output: T")
-    .Attr("T: type")
-    .Attr("tensor_id: string")
-    .Attr("access_index: int = 0")
-    .SetIsStateful()
-    .SetShapeFn(shape_inference::UnchangedShape)
-    .Doc(R"doc(
-Forwards `tensor` unchanged (no copy) and records (tensor_id, access_index, time, device bytes in use) into the
-process-wide access buffer, drained by Capuchin>DrainAccessRecords.
-
-The time is CLOCK_MONOTONIC in nanoseconds (Python: time.monotonic_ns()).
-)doc");
-
-REGISTER_OP("Capuchin>DrainAccessRecords")
-    .Output("tensor_ids: string")
-    .Output("access_indices: int64")
-    .Output("timestamps_ns: int64")
-    .Output("bytes_in_use: int64")
-    .SetIsStateful()
-    .SetShapeFn(VectorOutputs)
-    .Doc(R"doc(
-Returns every access recorded since the last drain, in recording order, and empties the buffer.
-bytes_in_use is -1 where the device allocator keeps no statistics.
 )doc");
 
 REGISTER_OP("Capuchin>AllocatorStats")
