@@ -15,6 +15,7 @@ CAPUCHIN_OPS_SRCS = [
 
 CAPUCHIN_OPS_HDRS = [
     "kernels/host_store.h",
+    "kernels/host_store_stats.h",
     "kernels/device_allocator.h",
     "kernels/kernel_inputs.h",
 ]

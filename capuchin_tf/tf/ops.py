@@ -17,33 +17,24 @@ import numbers
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import op_def_registry  # private (allowed in the tf layer)
 
 from capuchin_tf.tf import loader
 
 _ops = loader.load()
 
-# The order of the HostStoreStats op's output (HostStoreCounters in cc/kernels/host_store.h).
-HOST_STORE_STAT_FIELDS = (
-    "host_bytes",
-    "peak_host_bytes",
-    "live_handles",
-    "swap_outs",
-    "swap_ins",
-    "bytes_out",
-    "bytes_in",
-    "late_prefetches",
-    "demand_swap_ins",
-    "wait_ns",
-    "released_unconsumed",
-    "failed_swap_ins",
-    "pool_bytes",
-    "pending_copies",
-    "passive_evictions",
-    "passive_evicted_bytes",
-    "passive_swap_ins",
-    "guided_evictions",
-    "expedited_swap_outs",
-)
+
+def _host_store_stat_fields() -> tuple[str, ...]:
+    """The names of the HostStoreStats op's output entries, in order: the default of the op's `fields` attr, which
+    the library makes from its one list of the fields (cc/kernels/host_store_stats.h). Read from the op's registered
+    definition, so nothing runs (TensorFlow's devices need not exist yet)."""
+    op_def = op_def_registry.get("Capuchin>HostStoreStats")
+    attr = next(a for a in op_def.attr if a.name == "fields")
+    return tuple(s.decode() for s in attr.default_value.list.s)
+
+
+# The order of the HostStoreStats op's output.
+HOST_STORE_STAT_FIELDS = _host_store_stat_fields()
 
 
 class HandleStatus(enum.IntEnum):

@@ -27,6 +27,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "host_store_stats.h"
 #include "tensorflow/core/framework/allocator.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -36,30 +37,6 @@ namespace tensorflow {
 namespace capuchin {
 
 enum class Residency : int32_t { kIn = 0, kSwappingOut = 1, kOut = 2, kSwappingIn = 3 };
-
-// Counters of the store. The order is the order of the HostStoreStats op's output vector; keep it in sync with
-// HOST_STORE_STAT_FIELDS in capuchin_tf/ops.py.
-struct HostStoreCounters {
-  int64_t host_bytes = 0;            // bytes held in host buffers now
-  int64_t peak_host_bytes = 0;       // peak of host_bytes since the last reset
-  int64_t live_handles = 0;          // handles not yet consumed or released
-  int64_t swap_outs = 0;             // device-to-host copies finished
-  int64_t swap_ins = 0;              // host-to-device copies finished
-  int64_t bytes_out = 0;             // bytes copied device-to-host
-  int64_t bytes_in = 0;              // bytes copied host-to-device
-  int64_t late_prefetches = 0;       // SwapIn found its prefetch still running and waited
-  int64_t demand_swap_ins = 0;       // SwapIn found no prefetch started and swapped in on demand
-  int64_t wait_ns = 0;               // total time SwapIn ops waited for their tensor
-  int64_t released_unconsumed = 0;   // handles dropped without being consumed (step ended, explicit release)
-  int64_t failed_swap_ins = 0;       // swap-ins whose device allocation failed
-  int64_t pool_bytes = 0;            // freed host buffers kept for reuse (not counted in host_bytes)
-  int64_t pending_copies = 0;        // copies queued or running, including those of released handles
-  int64_t passive_evictions = 0;     // tensors passive mode evicted
-  int64_t passive_evicted_bytes = 0; // their bytes
-  int64_t passive_swap_ins = 0;      // Gets that brought an evicted tensor back
-  int64_t guided_evictions = 0;      // prefetched tensors evicted again (an allocation failed before their SwapIn)
-  int64_t expedited_swap_outs = 0;   // queued swap-outs an allocation copied at once (EvictFor) instead of waiting
-};
 
 // A time interval the step spent waiting on the host store (removed from the ideal timeline).
 struct Stall {

@@ -238,17 +238,18 @@ class ReleaseAllHandlesOp : public OpKernel {
 
 class HostStoreStatsOp : public OpKernel {
  public:
-  using OpKernel::OpKernel;
+  // The `fields` attr only names the output's entries for Python (see the op's definition): any other value than
+  // its default, the list the kernel outputs, is a caller's mistake.
+  explicit HostStoreStatsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::vector<std::string> fields;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("fields", &fields));
+    OP_REQUIRES(ctx, fields == HostStoreCounters::Names(),
+                errors::InvalidArgument("Capuchin>HostStoreStats: the fields attr is fixed (cc/kernels/host_store_stats.h); "
+                                        "leave it at its default"));
+  }
 
   void Compute(OpKernelContext* ctx) override {
-    const HostStoreCounters c = HostStore::Global()->Counters();
-    const std::vector<int64_t> values = {c.host_bytes,      c.peak_host_bytes, c.live_handles,
-                                         c.swap_outs,       c.swap_ins,        c.bytes_out,
-                                         c.bytes_in,        c.late_prefetches, c.demand_swap_ins,
-                                         c.wait_ns,         c.released_unconsumed, c.failed_swap_ins,
-                                         c.pool_bytes,      c.pending_copies,  c.passive_evictions,
-                                         c.passive_evicted_bytes, c.passive_swap_ins, c.guided_evictions,
-                                         c.expedited_swap_outs};
+    const std::vector<int64_t> values = HostStore::Global()->Counters().Values();
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({static_cast<int64_t>(values.size())}), &out));
     auto flat = out->flat<int64_t>();

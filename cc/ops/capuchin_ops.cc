@@ -3,6 +3,9 @@
 // Every op is namespaced "Capuchin>" and stateful: Grappler never prunes, merges, folds or moves a stateful op, which
 // is what the swap, prefetch and pool nodes inserted into a training step need.
 
+#include <string>
+
+#include "cc/kernels/host_store_stats.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -136,15 +139,28 @@ Drops every live handle of the host store (for example after eager use) and free
 reuse. Returns how many handles were dropped.
 )doc");
 
+// The HostStoreStats op's `fields` attr: its default lists the names of the output's entries, in order.
+std::string HostStoreStatFieldsAttr() {
+  std::string spec = "fields: list(string) = [";
+  for (const std::string& name : HostStoreCounters::Names()) {
+    spec += (spec.back() == '[' ? "'" : ", '") + name + "'";
+  }
+  return spec + "]";
+}
+
 REGISTER_OP("Capuchin>HostStoreStats")
     .Output("stats: int64")
+    .Attr(HostStoreStatFieldsAttr())
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
       return absl::OkStatus();
     })
     .Doc(R"doc(
-Statistics of the host store as a vector; capuchin_tf.ops.host_store_stats() names the fields.
+Statistics of the host store as a vector, one entry per name in `fields`.
+
+fields: the names of the entries, in order (cc/kernels/host_store_stats.h). Leave it at its default: the kernel
+  refuses any other value. capuchin_tf.tf.ops.host_store_stats() reads it from this definition to name the values.
 )doc");
 
 REGISTER_OP("Capuchin>ResetHostStoreStats")
