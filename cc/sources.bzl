@@ -6,6 +6,7 @@ literals), so that both builds compile exactly the same files. Paths are relativ
 
 CAPUCHIN_OPS_SRCS = [
     "ops/capuchin_ops.cc",
+    "kernels/config.cc",
     "kernels/host_store.cc",
     "kernels/swap_kernels.cc",
     "kernels/stats_kernels.cc",
@@ -14,6 +15,7 @@ CAPUCHIN_OPS_SRCS = [
 ]
 
 CAPUCHIN_OPS_HDRS = [
+    "kernels/config.h",
     "kernels/host_store.h",
     "kernels/host_store_stats.h",
     "kernels/device_allocator.h",

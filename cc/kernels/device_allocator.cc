@@ -1,5 +1,6 @@
 #include "device_allocator.h"
 
+#include "config.h"
 #include "host_store.h"
 
 #include <algorithm>
@@ -46,30 +47,10 @@ std::atomic<CapuchinAllocator*> g_installed{nullptr};
 //   size, and an exact budget would have to reserve twice every activation;
 // - no tensor holds more than it needs (seen with the GPU default on an 82 MiB device: a 20 MiB tensor holding a
 //   29.6 MiB chunk when the next 20 MiB request failed).
-// CAPUCHIN_TF_BFC_FRAGMENTATION_FRACTION overrides it (1/128: the GPU default's proportion). Plain TensorFlow runs on
-// the same allocator, so no gain comes from it.
-double FragmentationFraction(int64_t limit_bytes) {
-  const char* env = std::getenv("CAPUCHIN_TF_BFC_FRAGMENTATION_FRACTION");
-  if (env != nullptr) {
-    char* end = nullptr;
-    const double f = std::strtod(env, &end);
-    if (end != env && f >= 0.0 && f <= 1.0) return f;
-    LOG(WARNING) << "capuchin: ignoring CAPUCHIN_TF_BFC_FRAGMENTATION_FRACTION=" << env << " (expected 0..1)";
-  }
-  // BFC truncates fraction x limit to whole bytes: 256.5 bytes' worth gives 256 (0 would split off empty chunks).
-  return limit_bytes > 0 ? 256.5 / static_cast<double>(limit_bytes) : 1.0 / 128;
-}
-
-// The simulated device's size in bytes from the environment, or 0 when it is not configured.
-int64_t SimulatedDeviceBytes() {
-  const char* use_bfc = std::getenv("TF_CPU_ALLOCATOR_USE_BFC");
-  const char* limit_mb = std::getenv("TF_CPU_BFC_MEM_LIMIT_IN_MB");
-  if (use_bfc == nullptr || std::string(use_bfc) != "true" || limit_mb == nullptr) return 0;
-  return std::max<int64_t>(0, std::atoll(limit_mb)) << 20;
-}
-
+// CAPUCHIN_TF_BFC_FRAGMENTATION_FRACTION overrides it (1/128: the GPU default's proportion; see config.h). Plain
+// TensorFlow runs on the same allocator, so no gain comes from it.
 tsl::BFCAllocator* SimulatedDeviceAllocator(double fragmentation_fraction) {
-  const int64_t bytes = SimulatedDeviceBytes();
+  const int64_t bytes = Config::Get().simulated_device_bytes;
   if (bytes <= 0) return nullptr;
   tsl::BFCAllocator::Options opts;
   opts.allow_growth = false;
@@ -80,22 +61,6 @@ tsl::BFCAllocator* SimulatedDeviceAllocator(double fragmentation_fraction) {
       std::make_unique<BasicCPUAllocator>(port::kNUMANoAffinity, std::vector<SubAllocator::Visitor>{},
                                           std::vector<SubAllocator::Visitor>{}),
       static_cast<size_t>(bytes), "bfc_cpu_allocator_for_gpu", opts);
-}
-
-// The small-tensor pool's size: CAPUCHIN_TF_SMALL_POOL_MB if set (0 turns the pool off), else 1/128 of the device,
-// between 1 and 8 MiB. What a step allocates there at most, measured: 0.1-0.4 MiB on the quick tier, 0.5 MiB on
-// ResNet50 at batch 32 (docs/decisions.md).
-size_t SmallPoolBytes(int64_t device_bytes) {
-  const char* env = std::getenv("CAPUCHIN_TF_SMALL_POOL_MB");
-  if (env != nullptr) {
-    char* end = nullptr;
-    const double mb = std::strtod(env, &end);
-    if (end != env && mb >= 0.0 && mb * (1 << 20) <= static_cast<double>(device_bytes) / 4) {
-      return static_cast<size_t>(mb * (1 << 20)) / 256 * 256;
-    }
-    LOG(WARNING) << "capuchin: ignoring CAPUCHIN_TF_SMALL_POOL_MB=" << env << " (expected 0 to a quarter of the device)";
-  }
-  return static_cast<size_t>(std::clamp<int64_t>(device_bytes / 128, int64_t{1} << 20, int64_t{8} << 20));
 }
 
 // The small pool's one region, taken from the device allocator (it counts in the device's bytes in use, like any
@@ -137,11 +102,13 @@ class RegionSubAllocator : public SubAllocator {
 CapuchinAllocator* SharedWrapper() {
   static std::once_flag once;
   std::call_once(once, [] {
-    const double fragmentation_fraction = FragmentationFraction(SimulatedDeviceBytes());
+    const Config& config = Config::Get();
+    const double fragmentation_fraction = config.bfc_fragmentation_fraction;
     tsl::BFCAllocator* bfc = SimulatedDeviceAllocator(fragmentation_fraction);
     Allocator* base = bfc;
     if (base == nullptr) base = ProcessState::singleton()->GetCPUAllocator(port::kNUMANoAffinity);
-    const size_t small = bfc == nullptr ? 0 : SmallPoolBytes(static_cast<int64_t>(*bfc->GetStats()->bytes_limit));
+    // The small-tensor pool's size (config.h): 0 without the simulated device.
+    const size_t small = bfc == nullptr ? 0 : config.small_pool_bytes;
     g_installed.store(new CapuchinAllocator(base, bfc, small, fragmentation_fraction));
   });
   return g_installed.load();
@@ -196,7 +163,7 @@ CapuchinAllocator::CapuchinAllocator(Allocator* base, tsl::BFCAllocator* bfc, si
       bfc_(bfc),
       small_pool_bytes_(small_pool_bytes),
       small_region_(new std::atomic<uintptr_t>[2]),
-      trace_owners_(std::getenv("CAPUCHIN_TF_TRACE_EVICT") != nullptr) {
+      trace_owners_(Config::Get().trace_evict) {
   small_region_[0].store(0);
   small_region_[1].store(0);
   if (bfc != nullptr) {
@@ -276,7 +243,7 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const A
     // Nothing left to evict and no copy in flight (or 10 s of them did not help): fail now, the runtime retries the
     // step with a tighter plan. (CAPUCHIN_TF_DEBUG_EVICT set: let the allocator fail its own way, which logs its
     // chunks and their ops.)
-    if (ptr == nullptr && std::getenv("CAPUCHIN_TF_DEBUG_EVICT") == nullptr) {
+    if (ptr == nullptr && !Config::Get().debug_evict) {
       RecordRefusal(num_bytes);
       return nullptr;
     }

@@ -1,6 +1,8 @@
 #include <algorithm>
 #include "host_store.h"
 
+#include "config.h"
+
 #include <cstdio>
 
 #include <chrono>
@@ -68,10 +70,8 @@ HostStore* HostStore::Global() {
   return store;
 }
 
-HostStore::HostStore() {
-  int64_t cap_mb = 2048;
-  if (const char* env = std::getenv("CAPUCHIN_TF_HOST_POOL_MB")) cap_mb = std::max<int64_t>(0, std::atoll(env));
-  pool_cap_bytes_ = cap_mb << 20;
+HostStore::HostStore() : trace_(Config::Get().trace_evict) {
+  pool_cap_bytes_ = Config::Get().host_pool_bytes;
   out_thread_ = std::thread([this] { RunOutWorker(); });
   in_thread_ = std::thread([this] { RunInWorker(); });
 }
@@ -420,7 +420,7 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
       }
     }
     if (freed > 0) stalls_.push_back(Stall{start, NowNs(), freed, 0, ""});
-    if (std::getenv("CAPUCHIN_TF_TRACE_EVICT") != nullptr) {
+    if (trace_) {
       std::string names;
       for (const auto& e : chosen) names += " " + e->name + "(" + std::to_string(e->bytes) + ")";
       std::string map;
@@ -451,7 +451,7 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
                                (map.empty() ? "" : "; chunks:" + map) + "\n";
       std::fwrite(line.data(), 1, line.size(), stderr);
     }
-    if (freed == 0 && std::getenv("CAPUCHIN_TF_DEBUG_EVICT") != nullptr) {
+    if (freed == 0 && Config::Get().debug_evict) {
       int64_t in = 0, in_shared = 0;
       for (const auto& kv : entries_) {
         const Entry* e = kv.second.get();

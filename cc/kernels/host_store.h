@@ -17,7 +17,6 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -135,7 +134,7 @@ class HostStore {
   void FreeHostBuffer(Entry* e);                                                     // mu_ held
   // Host buffers are pooled by size: a training step swaps the same sizes every iteration, and reusing a buffer
   // avoids the page faults of fresh memory, which otherwise halve the copy speed. The pool is capped at
-  // $CAPUCHIN_TF_HOST_POOL_MB MiB (default 2048).
+  // $CAPUCHIN_TF_HOST_POOL_MB MiB (config.h).
   void* AllocateHost(int64_t bytes);
   void RecycleHost(void* buffer, int64_t bytes);
   void TrimPool();
@@ -145,7 +144,7 @@ class HostStore {
   // reader, a SwapIn), named in the eviction trace's memory map.
   void NoteHanded(const Tensor& tensor, const std::string& name, const char* how);  // mu_ held
   std::string HandedAt(uint64_t address, int64_t alloc_seq) const;                  // mu_ held
-  const bool trace_ = std::getenv("CAPUCHIN_TF_TRACE_EVICT") != nullptr;
+  const bool trace_;
   std::unordered_map<uint64_t, std::pair<std::string, int64_t>> handed_;  // name, TraceSeq()
   void CopyDone();                                                                   // mu_ held: a copy finished
   void LogWait(const Entry& e);  // mu_ held: a SwapIn waited from e.wait_start_ns until now
