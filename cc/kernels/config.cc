@@ -40,7 +40,8 @@ size_t SmallPoolBytes(int64_t device_bytes) {
     if (end != env && mb >= 0.0 && mb * (1 << 20) <= static_cast<double>(device_bytes) / 4) {
       return static_cast<size_t>(mb * (1 << 20)) / 256 * 256;
     }
-    LOG(WARNING) << "capuchin: ignoring CAPUCHIN_TF_SMALL_POOL_MB=" << env << " (expected 0 to a quarter of the device)";
+    LOG(WARNING) << "capuchin: ignoring CAPUCHIN_TF_SMALL_POOL_MB=" << env
+                 << " (expected 0 to a quarter of the device)";
   }
   return static_cast<size_t>(std::clamp<int64_t>(device_bytes / 128, int64_t{1} << 20, int64_t{8} << 20));
 }

@@ -1,23 +1,20 @@
 #include "device_allocator.h"
 
-#include "config.h"
-#include "host_store.h"
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <string>
 #include <vector>
 
-#include <unistd.h>
-
-#include <cstdlib>
-#include <string>
-
+#include "config.h"
+#include "host_store.h"
 #include "tensorflow/core/common_runtime/bfc_allocator.h"
-#include "xla/tsl/protobuf/bfc_memory_map.pb.h"
 #include "tensorflow/core/common_runtime/device_factory.h"
 #include "tensorflow/core/common_runtime/pool_allocator.h"
 #include "tensorflow/core/common_runtime/process_state.h"
@@ -26,6 +23,7 @@
 #include "tensorflow/core/platform/numa.h"
 #include "tensorflow/core/public/session_options.h"
 #include "tsl/profiler/lib/scoped_memory_debug_annotation.h"
+#include "xla/tsl/protobuf/bfc_memory_map.pb.h"
 
 namespace tensorflow {
 namespace capuchin {
@@ -33,8 +31,8 @@ namespace {
 
 std::atomic<CapuchinAllocator*> g_installed{nullptr};
 
-// The simulated device (design.md): with TF_CPU_ALLOCATOR_USE_BFC=true and TF_CPU_BFC_MEM_LIMIT_IN_MB=N, a BFC
-// allocator of N MiB. capuchin_tf builds its own, with the whole limit reserved up front as on a GPU
+// The simulated device (docs/design/design.md): with TF_CPU_ALLOCATOR_USE_BFC=true and TF_CPU_BFC_MEM_LIMIT_IN_MB=N, a
+// BFC allocator of N MiB. capuchin_tf builds its own, with the whole limit reserved up front as on a GPU
 // (allow_growth=false): the environment-variable BFC grows its regions and fragments before reaching the limit
 // (seen: out of memory at well under the limit during model construction). Waiting for frees on failure is kept,
 // so an allocation can wait for an in-flight swap-out to release its device buffer.
@@ -137,8 +135,7 @@ class CapuchinCpuDeviceFactory : public DeviceFactory {
     const Bytes memory_limit(ram > 0 ? ram : (int64_t{1} << 40));
     for (int i = 0; i < n; i++) {
       const std::string name = strings::StrCat(name_prefix, "/device:CPU:", i);
-      devices->push_back(
-          std::make_unique<ThreadPoolDevice>(options, name, memory_limit, DeviceLocality(), allocator));
+      devices->push_back(std::make_unique<ThreadPoolDevice>(options, name, memory_limit, DeviceLocality(), allocator));
     }
     return absl::OkStatus();
   }
@@ -175,7 +172,7 @@ CapuchinAllocator::CapuchinAllocator(Allocator* base, tsl::BFCAllocator* bfc, si
   }
   if (bfc != nullptr && small_pool_bytes >= 256) {
     tsl::BFCAllocator::Options opts;
-    opts.allow_growth = false;  // one region of the whole pool, taken at the first small allocation
+    opts.allow_growth = false;            // one region of the whole pool, taken at the first small allocation
     opts.allow_retry_on_failure = false;  // a full pool is not a failure: the allocation goes to `base`
     opts.garbage_collection = false;
     small_ = std::make_unique<tsl::BFCAllocator>(std::make_unique<RegionSubAllocator>(bfc, small_region_),
@@ -203,7 +200,8 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const A
   const int64_t budget = enforced_budget_.load(std::memory_order_relaxed);
   if (budget > 0) return AllocateWithinBudget(alignment, num_bytes, attr, budget);
   void* ptr = nullptr;
-  if (small_ != nullptr && num_bytes > 0 && num_bytes <= kSmallMaxBytes && small_on_.load(std::memory_order_relaxed)) {
+  if (small_ != nullptr && num_bytes > 0 && num_bytes <= kSmallPoolMaxAllocationBytes &&
+      small_on_.load(std::memory_order_relaxed)) {
     AllocationAttributes no_retry(false, attr.allocation_will_be_logged, attr.freed_by_func);
     ptr = small_->AllocateRaw(alignment, num_bytes, no_retry);
     if (ptr != nullptr) return ptr;
@@ -285,12 +283,13 @@ int64_t CapuchinAllocator::MaxBytesAdded(size_t num_bytes) const {
   constexpr int64_t kMinAllocationSize = 256;
   if (num_bytes == 0) return 0;  // BFC allocates nothing
   if (num_bytes > static_cast<size_t>(bfc_limit_)) return std::numeric_limits<int64_t>::max() / 4;  // never fits
-  const int64_t rounded = (static_cast<int64_t>(num_bytes) + kMinAllocationSize - 1) / kMinAllocationSize *
-                          kMinAllocationSize;
+  const int64_t rounded =
+      (static_cast<int64_t>(num_bytes) + kMinAllocationSize - 1) / kMinAllocationSize * kMinAllocationSize;
   const int64_t unsplit_below = std::min(rounded, max_fragmentation_bytes_);
   const int64_t surplus =
-      unsplit_below <= 0 ? 0 : (unsplit_below + kMinAllocationSize - 1) / kMinAllocationSize * kMinAllocationSize -
-                                   kMinAllocationSize;
+      unsplit_below <= 0
+          ? 0
+          : (unsplit_below + kMinAllocationSize - 1) / kMinAllocationSize * kMinAllocationSize - kMinAllocationSize;
   return rounded + surplus;
 }
 
@@ -323,7 +322,8 @@ void* CapuchinAllocator::AllocateWithinBudget(size_t alignment, size_t num_bytes
   AllocationAttributes no_retry(false, attr.allocation_will_be_logged, attr.freed_by_func);
   int64_t excess = 0;
   void* ptr = nullptr;
-  if (small_ != nullptr && num_bytes > 0 && num_bytes <= kSmallMaxBytes && small_on_.load(std::memory_order_relaxed)) {
+  if (small_ != nullptr && num_bytes > 0 && num_bytes <= kSmallPoolMaxAllocationBytes &&
+      small_on_.load(std::memory_order_relaxed)) {
     // Inside the pool's region the device's bytes in use do not change; the pool's first allocation takes the
     // region from the device. Refused, the allocation goes to the device as below.
     auto small = [&] { return small_->AllocateRaw(alignment, num_bytes, no_retry); };
@@ -410,7 +410,7 @@ CapuchinAllocator::Refusal CapuchinAllocator::LastRefusal() {
 }
 
 void CapuchinAllocator::RecordOwner(const void* ptr, size_t num_bytes) {
-  if (num_bytes < kSmallMaxBytes) return;
+  if (num_bytes < kTracedOwnerMinBytes) return;
   const auto& annotation = tsl::profiler::ScopedMemoryDebugAnnotation::CurrentAnnotation();
   std::lock_guard<std::mutex> lock(owners_mu_);
   owners_[reinterpret_cast<uint64_t>(ptr)] = {std::string(annotation.pending_op_name), HostStore::TraceSeq()};

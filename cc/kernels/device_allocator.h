@@ -1,6 +1,6 @@
 // capuchin_tf's device allocator: a wrapper around the allocator TensorFlow would give the CPU device, installed by
-// a "CPU" device factory of higher priority than the stock one when the op library loads (tf-notes.md). It has to be
-// in place before TensorFlow creates its devices, which is why capuchin_tf loads the library at import.
+// a "CPU" device factory of higher priority than the stock one when the op library loads (docs/design/tf-notes.md). It
+// has to be in place before TensorFlow creates its devices, which is why capuchin_tf loads the library at import.
 //
 // By default it forwards every call (plain TensorFlow runs through it unchanged). On top of
 // that, each switched on by capuchin_tf's runtime:
@@ -24,9 +24,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "host_store.h"
-
 #include "absl/status/status.h"
+#include "host_store.h"
 #include "tensorflow/core/framework/allocator.h"
 #include "xla/tsl/framework/bfc_allocator.h"
 
@@ -39,10 +38,10 @@ class CapuchinAllocator : public Allocator {
   // eviction), else nullptr.
   //
   // `small_pool_bytes` > 0: once SetSmallPool(true) was called (every capuchin_tf managed step calls it), the
-  // allocations of at most kSmallMaxBytes come from a pool of that size, one region taken from `bfc` at the first
-  // such allocation (a BFC allocator of its own). The persistent state built before that stays where it was; plain
-  // TensorFlow, which never calls it, runs on the device allocator alone. Small tensors that live long (LayerNorm and
-  // BatchNorm statistics kept for the backward pass, shape vectors) otherwise settle in the holes between large
+  // allocations of at most kSmallPoolMaxAllocationBytes come from a pool of that size, one region taken from `bfc` at
+  // the first such allocation (a BFC allocator of its own). The persistent state built before that stays where it was;
+  // plain TensorFlow, which never calls it, runs on the device allocator alone. Small tensors that live long (LayerNorm
+  // and BatchNorm statistics kept for the backward pass, shape vectors) otherwise settle in the holes between large
   // tensors, and when those large tensors are freed the holes stay split: the free memory is there, in pieces no
   // large tensor fits in (seen: the transformer at 88 MiB, 50 MiB free in runs of at most 16.2 MiB split by 8 KiB
   // and 256-byte chunks, and a 20 MiB allocation failed). Size-segregated pools are what GPU caching allocators do
@@ -54,7 +53,11 @@ class CapuchinAllocator : public Allocator {
   CapuchinAllocator(Allocator* base, tsl::BFCAllocator* bfc = nullptr, size_t small_pool_bytes = 0,
                     double fragmentation_fraction = 0.0);
 
-  static constexpr size_t kSmallMaxBytes = 64 << 10;
+  // The largest allocation the small-tensor pool takes (64 KiB). Not capuchin_tf.core.pool_plan's
+  // GUIDED_MIN_POOLED_BYTES, the smallest tensor a guided step hands to the host store's tensor pool, also 64 KiB.
+  static constexpr size_t kSmallPoolMaxAllocationBytes = 64 << 10;
+  // Traces only: the smallest buffer whose allocating op the eviction trace names (64 KiB).
+  static constexpr size_t kTracedOwnerMinBytes = 64 << 10;
 
   // The one wrapper shared by every CPU device the factory creates (nullptr until TensorFlow created its devices).
   static CapuchinAllocator* Installed();
@@ -146,7 +149,8 @@ class CapuchinAllocator : public Allocator {
   // Admission to the budget: checked and counted under `budget_mu_`, which is never held while allocating.
   std::mutex budget_mu_;
   int64_t admitted_bytes_ = 0;  // the most the admitted allocations not yet finished can still add
-  // CAPUCHIN_TF_TRACE_EVICT: the op that allocated each buffer of at least 64 KiB, named in the eviction trace's map.
+  // CAPUCHIN_TF_TRACE_EVICT: the op that allocated each buffer of at least kTracedOwnerMinBytes, named in the
+  // eviction trace's map.
   void RecordOwner(const void* ptr, size_t num_bytes);
   void RecordRefusal(size_t num_bytes);
   std::mutex refusal_mu_;

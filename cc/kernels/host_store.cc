@@ -1,16 +1,14 @@
-#include <algorithm>
 #include "host_store.h"
 
-#include "config.h"
-
-#include <cstdio>
-
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <unordered_set>
 #include <utility>
 
+#include "config.h"
 #include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/platform/mem.h"
 
@@ -34,14 +32,14 @@ struct HostStore::Entry {
   TensorShape shape;
   int64_t bytes = 0;
   Residency state = Residency::kSwappingOut;
-  Tensor device;                     // the device tensor while IN, or the copy's source while SWAPPING_OUT
-  void* host = nullptr;              // the host copy while OUT or SWAPPING_IN
-  bool released = false;             // dropped while a copy was in flight: the worker frees what is left
-  bool prefetch_requested = false;   // a swap-in is wanted as soon as the swap-out finishes
-  Allocator* in_allocator = nullptr; // the device allocator the swap-in allocates from
-  SwapInCallback waiter;             // the SwapIn that claimed this handle and waits for it
+  Tensor device;                      // the device tensor while IN, or the copy's source while SWAPPING_OUT
+  void* host = nullptr;               // the host copy while OUT or SWAPPING_IN
+  bool released = false;              // dropped while a copy was in flight: the worker frees what is left
+  bool prefetch_requested = false;    // a swap-in is wanted as soon as the swap-out finishes
+  Allocator* in_allocator = nullptr;  // the device allocator the swap-in allocates from
+  SwapInCallback waiter;              // the SwapIn that claimed this handle and waits for it
   int64_t wait_start_ns = 0;
-  bool pooled = false;               // made by Hold: read by Get, evictable by passive mode
+  bool pooled = false;  // made by Hold: read by Get, evictable by passive mode
 };
 
 std::shared_ptr<HostStore::Entry> HostStore::NewEntry(const Tensor& tensor, const std::string& name, Residency state,
@@ -226,8 +224,8 @@ absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType
     e->state = Residency::kOut;
     counters_.failed_swap_ins++;
     get_cv_.notify_all();
-    return errors::ResourceExhausted("Capuchin>Get: OOM when allocating ", e->bytes, " bytes to bring back '",
-                                     e->name, "': ", allocated.message());
+    return errors::ResourceExhausted("Capuchin>Get: OOM when allocating ", e->bytes, " bytes to bring back '", e->name,
+                                     "': ", allocated.message());
   }
   if (e->bytes > 0) std::memcpy(const_cast<char*>(tensor.tensor_data().data()), e->host, e->bytes);
   std::lock_guard<std::mutex> lock(mu_);
@@ -354,12 +352,12 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
       // evicting it frees nothing the failed allocation could use.
       std::unordered_set<uint64_t> starts;
       for (const auto& c : *chunks) starts.insert(c.address);
-      evictable.erase(std::remove_if(evictable.begin(), evictable.end(),
-                                     [&starts](const std::shared_ptr<Entry>& e) {
-                                       return starts.count(
-                                                  reinterpret_cast<uint64_t>(e->device.tensor_data().data())) == 0;
-                                     }),
-                      evictable.end());
+      evictable.erase(
+          std::remove_if(evictable.begin(), evictable.end(),
+                         [&starts](const std::shared_ptr<Entry>& e) {
+                           return starts.count(reinterpret_cast<uint64_t>(e->device.tensor_data().data())) == 0;
+                         }),
+          evictable.end());
     }
     // Where each evictable tensor's buffer starts (taken before anything is evicted; the trace below names them).
     std::unordered_map<uint64_t, std::shared_ptr<Entry>> entry_at;
@@ -438,9 +436,10 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
           auto it = entry_at.find(c.address);
           auto any = any_at.find(c.address);
           map += " [" + std::to_string(c.address - chunks->front().address) + "+" + std::to_string(c.size) +
-                 (c.in_use ? (it != entry_at.end() ? " " + it->second->name
-                                                   : (any != any_at.end() ? " used" + any->second
-                                                                          : " used(" + c.op + ")" + HandedAt(c.address, c.seq)))
+                 (c.in_use ? (it != entry_at.end()
+                                  ? " " + it->second->name
+                                  : (any != any_at.end() ? " used" + any->second
+                                                         : " used(" + c.op + ")" + HandedAt(c.address, c.seq)))
                            : " free") +
                  "]";
         }
@@ -526,7 +525,8 @@ bool HostStore::Release(int64_t handle) {
     if (!e->pooled) counters_.released_unconsumed++;  // a pool handle ends this way normally
     Erase(handle);
   }
-  if (waiter) waiter(errors::Cancelled("Capuchin: handle ", handle, " was released before it was swapped in"), Tensor());
+  if (waiter)
+    waiter(errors::Cancelled("Capuchin: handle ", handle, " was released before it was swapped in"), Tensor());
   return true;
 }
 

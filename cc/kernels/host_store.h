@@ -9,7 +9,8 @@
 // Copies run on two worker threads, one per direction, so that they overlap compute and serialize per direction the
 // way a GPU's two copy engines do. An optional link emulation makes each copy of N bytes take N / bandwidth seconds.
 // Every buffer is released on every path: when consumed, when the step that created the handle ends with the handle
-// unused (see StepHandles in swap_kernels.cc), or on ReleaseHandle / ReleaseAll.
+// unused (the last copy of its handle is gone: see HandleGuard in swap_kernels.cc), or on ReleaseHandle /
+// ReleaseAll.
 
 #ifndef CAPUCHIN_TF_CC_KERNELS_HOST_STORE_H_
 #define CAPUCHIN_TF_CC_KERNELS_HOST_STORE_H_
@@ -87,7 +88,7 @@ class HostStore {
     uint64_t address;
     int64_t size;
     bool in_use;
-    std::string op;  // the op that allocated it, where the allocator recorded one (traces only)
+    std::string op;   // the op that allocated it, where the allocator recorded one (traces only)
     int64_t seq = 0;  // when it was allocated, in TraceSeq order (traces only)
   };
   // Traces only: a process-wide sequence number ordering allocations and hand-overs.
@@ -139,14 +140,14 @@ class HostStore {
   void RecycleHost(void* buffer, int64_t bytes);
   void TrimPool();
   void SleepForLink(double bps, int64_t bytes, int64_t start_ns);
-  void Erase(int64_t handle);                                                        // mu_ held
+  void Erase(int64_t handle);  // mu_ held
   // Traces only ($CAPUCHIN_TF_TRACE_EVICT): the last tensor handed to an op at each device address (a Get's last
   // reader, a SwapIn), named in the eviction trace's memory map.
   void NoteHanded(const Tensor& tensor, const std::string& name, const char* how);  // mu_ held
   std::string HandedAt(uint64_t address, int64_t alloc_seq) const;                  // mu_ held
   const bool trace_;
   std::unordered_map<uint64_t, std::pair<std::string, int64_t>> handed_;  // name, TraceSeq()
-  void CopyDone();                                                                   // mu_ held: a copy finished
+  void CopyDone();                                                        // mu_ held: a copy finished
   void LogWait(const Entry& e);  // mu_ held: a SwapIn waited from e.wait_start_ns until now
 
   std::mutex mu_;
@@ -163,7 +164,7 @@ class HostStore {
   std::atomic<bool> passive_{false};
   std::vector<Stall> stalls_;
   std::deque<int64_t> hold_order_;  // pooled handles in hold order (may name released ones: skipped)
-  std::mutex pool_mu_;  // taken after mu_ when both are held
+  std::mutex pool_mu_;              // taken after mu_ when both are held
   std::unordered_multimap<int64_t, void*> pool_;
   int64_t pool_bytes_ = 0;
   int64_t pool_cap_bytes_ = 0;

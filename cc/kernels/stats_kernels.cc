@@ -45,7 +45,7 @@ class AllocatorStatsOp : public OpKernel {
     out->scalar<bool>()() = wrapped;
     CapuchinAllocator::Refusal refusal;
     if (capuchin != nullptr) refusal = capuchin->LastRefusal();
-    const int64_t more_values[] = {small_in_use,  small_peak,     small_limit,       budget,
+    const int64_t more_values[] = {small_in_use,  small_peak,    small_limit,    budget,
                                    refusal.count, refusal.bytes, refusal.in_use, refusal.largest_free};
     for (int i = 0; i < 8; ++i) {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(4 + i, TensorShape({}), &out));

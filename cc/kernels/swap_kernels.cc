@@ -7,10 +7,10 @@
 #include "host_store.h"
 #include "kernel_inputs.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/variant.h"
 #include "tensorflow/core/framework/variant_encode_decode.h"
 #include "tensorflow/core/framework/variant_tensor_data.h"
-#include "tensorflow/core/framework/tensor_shape.h"
 
 namespace tensorflow {
 namespace capuchin {
@@ -46,8 +46,8 @@ absl::Status ScalarHandle(OpKernelContext* ctx, int64_t* handle) {
   const Tensor& t = ctx->input(0);
   const SwapHandle* h = t.scalar<Variant>()().get<SwapHandle>();
   if (h == nullptr || h->guard == nullptr) {
-    return errors::InvalidArgument(ctx->op_kernel().type_string(), ": not a capuchin_tf swap handle: ",
-                                   t.scalar<Variant>()().DebugString());
+    return errors::InvalidArgument(ctx->op_kernel().type_string(),
+                                   ": not a capuchin_tf swap handle: ", t.scalar<Variant>()().DebugString());
   }
   *handle = h->guard->handle();
   return absl::OkStatus();
@@ -243,9 +243,10 @@ class HostStoreStatsOp : public OpKernel {
   explicit HostStoreStatsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     std::vector<std::string> fields;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("fields", &fields));
-    OP_REQUIRES(ctx, fields == HostStoreCounters::Names(),
-                errors::InvalidArgument("Capuchin>HostStoreStats: the fields attr is fixed (cc/kernels/host_store_stats.h); "
-                                        "leave it at its default"));
+    OP_REQUIRES(
+        ctx, fields == HostStoreCounters::Names(),
+        errors::InvalidArgument("Capuchin>HostStoreStats: the fields attr is fixed (cc/kernels/host_store_stats.h); "
+                                "leave it at its default"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -280,7 +281,7 @@ class SetLinkBandwidthOp : public OpKernel {
 };
 
 // All swap ops run on the device whose memory they manage. On a GPU build the same kernels would be registered for
-// the GPU with host-memory handles; this project targets the simulated device (design.md), i.e. CPU.
+// the GPU with host-memory handles; this project targets the simulated device (docs/design/design.md), i.e. CPU.
 REGISTER_KERNEL_BUILDER(Name("Capuchin>SwapOut").Device(DEVICE_CPU), SwapOutOp);
 REGISTER_KERNEL_BUILDER(Name("Capuchin>Prefetch").Device(DEVICE_CPU), PrefetchOp);
 REGISTER_KERNEL_BUILDER(Name("Capuchin>Hold").Device(DEVICE_CPU), HoldOp);

@@ -1,12 +1,12 @@
 // Kernel of Capuchin>AssignInPlace: a variable's value written into the buffer it already has.
 //
-// capuchin_tf restores variables after a failed attempt of a step (capuchin_tf/recovery.py). TensorFlow's ways to
-// write a whole variable do not fit: AssignVariableOp takes over its value's buffer (in eager execution also when the
-// value is held elsewhere), so the variable moves to wherever that buffer is (host memory, for a value made from a
+// capuchin_tf restores variables after a failed attempt of a step (capuchin_tf/runtime/recovery.py). TensorFlow's ways
+// to write a whole variable do not fit: AssignVariableOp takes over its value's buffer (in eager execution also when
+// the value is held elsewhere), so the variable moves to wherever that buffer is (host memory, for a value made from a
 // numpy array), and ResourceStridedSliceAssign writes in place but puts the variable in copy-on-read mode for good
 // (EnsureSparseVariableAccess): every later read of it copies it, and every update copies it to a new buffer.
-// The managed step's assignments use it too (rewrite.assignments_in_place): AssignVariableOp's takeover of the value's
-// buffer moves the variable to wherever the value was computed, every step.
+// The managed step's assignments use it too (capuchin_tf/tf/rewrite.py, assignments_in_place): AssignVariableOp's
+// takeover of the value's buffer moves the variable to wherever the value was computed, every step.
 
 #include <cstring>
 

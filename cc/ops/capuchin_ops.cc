@@ -51,8 +51,9 @@ absl::Status VectorOutputs(InferenceContext* c) {
 }
 
 // Types whose bytes can be copied to host memory and back unchanged.
-#define CAPUCHIN_SWAPPABLE_TYPES \
-  "{half, bfloat16, float, double, int8, uint8, int16, uint16, int32, uint32, int64, uint64, bool, complex64, complex128}"
+#define CAPUCHIN_SWAPPABLE_TYPES                                                                                \
+  "{half, bfloat16, float, double, int8, uint8, int16, uint16, int32, uint32, int64, uint64, bool, complex64, " \
+  "complex128}"
 
 REGISTER_OP("Capuchin>SwapOut")
     .Input("tensor: T")
@@ -163,10 +164,7 @@ fields: the names of the entries, in order (cc/kernels/host_store_stats.h). Leav
   refuses any other value. capuchin_tf.tf.ops.host_store_stats() reads it from this definition to name the values.
 )doc");
 
-REGISTER_OP("Capuchin>ResetHostStoreStats")
-    .SetIsStateful()
-    .SetShapeFn(shape_inference::NoOutputs)
-    .Doc(R"doc(
+REGISTER_OP("Capuchin>ResetHostStoreStats").SetIsStateful().SetShapeFn(shape_inference::NoOutputs).Doc(R"doc(
 Resets the host store's counters; the peak restarts from the bytes held now.
 )doc");
 
@@ -234,11 +232,7 @@ AssignVariableOp it never takes over the value's buffer, and unlike ResourceStri
 variable's copy-on-read mode as it was. capuchin_tf restores variables with it after a failed attempt of a step.
 )doc");
 
-REGISTER_OP("Capuchin>SetSmallPool")
-    .Input("enabled: bool")
-    .SetIsStateful()
-    .SetShapeFn(ScalarInputsNoOutputs)
-    .Doc(R"doc(
+REGISTER_OP("Capuchin>SetSmallPool").Input("enabled: bool").SetIsStateful().SetShapeFn(ScalarInputsNoOutputs).Doc(R"doc(
 Turns the device allocator wrapper's small-tensor pool on or off: when on (and the device has one, i.e. it is the
 simulated device), allocations of at most 64 KiB come from a pool of their own while it has room.
 
