@@ -7,7 +7,10 @@ literals), so that both builds compile exactly the same files. Paths are relativ
 CAPUCHIN_OPS_SRCS = [
     "ops/capuchin_ops.cc",
     "kernels/config.cc",
+    "kernels/host_buffer_pool.cc",
     "kernels/host_store.cc",
+    "kernels/store_trace.cc",
+    "kernels/tensor_pool.cc",
     "kernels/swap_kernels.cc",
     "kernels/stats_kernels.cc",
     "kernels/device_allocator.cc",
@@ -16,8 +19,12 @@ CAPUCHIN_OPS_SRCS = [
 
 CAPUCHIN_OPS_HDRS = [
     "kernels/config.h",
+    "kernels/host_buffer_pool.h",
     "kernels/host_store.h",
     "kernels/host_store_stats.h",
+    "kernels/store_entry.h",
+    "kernels/store_trace.h",
+    "kernels/tensor_pool.h",
     "kernels/device_allocator.h",
     "kernels/kernel_inputs.h",
 ]

@@ -10,7 +10,6 @@
 
 #include "config.h"
 #include "tensorflow/core/framework/types.h"
-#include "tensorflow/core/platform/mem.h"
 
 namespace tensorflow {
 namespace capuchin {
@@ -21,26 +20,7 @@ int64_t NowNs() {
       .count();
 }
 
-constexpr size_t kHostAlignment = 64;
-
 }  // namespace
-
-struct HostStore::Entry {
-  int64_t handle = 0;
-  std::string name;
-  DataType dtype = DT_INVALID;
-  TensorShape shape;
-  int64_t bytes = 0;
-  Residency state = Residency::kSwappingOut;
-  Tensor device;                      // the device tensor while IN, or the copy's source while SWAPPING_OUT
-  void* host = nullptr;               // the host copy while OUT or SWAPPING_IN
-  bool released = false;              // dropped while a copy was in flight: the worker frees what is left
-  bool prefetch_requested = false;    // a swap-in is wanted as soon as the swap-out finishes
-  Allocator* in_allocator = nullptr;  // the device allocator the swap-in allocates from
-  SwapInCallback waiter;              // the SwapIn that claimed this handle and waits for it
-  int64_t wait_start_ns = 0;
-  bool pooled = false;  // made by Hold: read by Get, evictable by passive mode
-};
 
 std::shared_ptr<HostStore::Entry> HostStore::NewEntry(const Tensor& tensor, const std::string& name, Residency state,
                                                       bool pooled) {
@@ -68,8 +48,7 @@ HostStore* HostStore::Global() {
   return store;
 }
 
-HostStore::HostStore() : trace_(Config::Get().trace_evict) {
-  pool_cap_bytes_ = Config::Get().host_pool_bytes;
+HostStore::HostStore() : host_buffers_(Config::Get().host_pool_bytes), trace_(StoreTrace::FromConfig(Config::Get())) {
   out_thread_ = std::thread([this] { RunOutWorker(); });
   in_thread_ = std::thread([this] { RunInWorker(); });
 }
@@ -141,7 +120,7 @@ void HostStore::SwapIn(int64_t handle, Allocator* device_allocator, DataType exp
         switch (e->state) {
           case Residency::kIn:  // prefetched in time (or never left because host memory ran out)
             ready = std::move(e->device);
-            NoteHanded(ready, e->name, "swap_in");
+            trace_->Handed(ready, e->name, "swap_in");
             deliver_now = true;
             break;
           case Residency::kSwappingIn:
@@ -179,7 +158,7 @@ int64_t HostStore::Hold(const Tensor& tensor, const std::string& name) {
   std::shared_ptr<Entry> e = NewEntry(tensor, name, Residency::kIn, /*pooled=*/true);
   std::lock_guard<std::mutex> lock(mu_);
   Register(e);
-  hold_order_.push_back(e->handle);
+  pool_.Add(e->handle);
   return e->handle;
 }
 
@@ -205,7 +184,7 @@ absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType
         // The last reader takes the buffer: with no reference left in the pool, the reader can reuse it for its
         // output (TensorFlow's in-place forwarding), as it would have without the pool.
         *out = std::move(e->device);
-        NoteHanded(*out, e->name, "get");
+        trace_->Handed(*out, e->name, "get");
         Erase(handle);
       } else {
         *out = e->device;
@@ -231,7 +210,7 @@ absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType
   std::lock_guard<std::mutex> lock(mu_);
   FreeHostBuffer(e.get());
   if (last) {
-    NoteHanded(tensor, e->name, "get");
+    trace_->Handed(tensor, e->name, "get");
     Erase(handle);  // as above: the reader owns the only reference
   } else {
     e->device = tensor;
@@ -252,227 +231,53 @@ void HostStore::LogWait(const Entry& e) {
   stalls_.push_back(Stall{e.wait_start_ns, now, e.bytes, 2, e.name});
 }
 
-namespace {
-
-// The cheapest window of `chunks` (address order) made only of free chunks and chunks at an `evictable` address,
-// contiguous in memory, whose sizes add up to `need`: its evictable addresses. Empty when there is none, or
-// when the cheapest needs no eviction (a free chunk that large exists: another thread freed it meanwhile). Windows
-// ending at each chunk are shrunk from the left while still large enough; costs are non-negative, so that is the
-// cheapest window ending there.
-std::vector<uint64_t> CheapestWindow(const std::vector<HostStore::ChunkSpan>& chunks,
-                                     const std::function<bool(uint64_t)>& evictable, int64_t need) {
-  std::vector<uint64_t> best;
-  int64_t best_cost = -1;
-  size_t i = 0;
-  int64_t sum = 0, cost = 0;
-  auto cost_of = [&](const HostStore::ChunkSpan& c) -> int64_t {
-    if (!c.in_use) return 0;
-    return evictable(c.address) ? c.size : -1;
-  };
-  for (size_t j = 0; j < chunks.size(); j++) {
-    const int64_t cj = cost_of(chunks[j]);
-    const bool contiguous =
-        j > 0 && i < j && chunks[j - 1].address + static_cast<uint64_t>(chunks[j - 1].size) == chunks[j].address;
-    if (cj < 0 || !contiguous) {  // an in-use chunk nobody can evict, or a region boundary: start afresh
-      i = cj < 0 ? j + 1 : j;
-      sum = cj < 0 ? 0 : chunks[j].size;
-      cost = cj < 0 ? 0 : cj;
-    } else {
-      sum += chunks[j].size;
-      cost += cj;
-    }
-    if (cj < 0) continue;
-    while (i < j && sum - chunks[i].size >= need) {
-      sum -= chunks[i].size;
-      cost -= cost_of(chunks[i]);
-      i++;
-    }
-    if (sum >= need && (best_cost < 0 || cost < best_cost)) {
-      best_cost = cost;
-      best.clear();
-      for (size_t k = i; k <= j; k++) {
-        if (chunks[k].in_use) best.push_back(chunks[k].address);
-      }
-    }
-  }
-  if (best_cost <= 0) best.clear();
-  return best;
-}
-
-}  // namespace
-
 int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks, bool contiguous) {
   const int64_t start = NowNs();
-  std::vector<std::shared_ptr<Entry>> chosen;
   std::vector<Tensor> drop;
   int64_t freed = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // The paper scans the access list from its start for tensors of about the needed size: first the oldest
-    // evictable tensor at least as large as the need (and at most twice it), else the oldest ones until enough.
-    std::vector<std::shared_ptr<Entry>> evictable;
-    std::deque<int64_t> kept;
-    for (int64_t h : hold_order_) {
-      auto it = entries_.find(h);
-      if (it == entries_.end()) continue;  // released: forget it
-      kept.push_back(h);
-      Entry* e = it->second.get();
-      if (e->state == Residency::kIn && e->bytes > 0 && e->device.RefCountIsOne()) evictable.push_back(it->second);
-    }
-    hold_order_.swap(kept);
-    // Guided execution: tensors a prefetch brought back that their SwapIn has not claimed yet (prefetched too early
-    // for the memory there is). Evicted, their SwapIn swaps them in on demand. Most recently prefetched first: the
-    // one needed last.
-    std::vector<std::shared_ptr<Entry>> prefetched;
-    for (const auto& kv : entries_) {
-      Entry* e = kv.second.get();
-      if (!e->pooled && e->state == Residency::kIn && !e->waiter && !e->released && e->bytes > 0 &&
-          e->device.IsInitialized() && e->device.RefCountIsOne()) {
-        prefetched.push_back(kv.second);
-      }
-    }
-    std::sort(prefetched.begin(), prefetched.end(),
-              [](const std::shared_ptr<Entry>& a, const std::shared_ptr<Entry>& b) { return a->handle > b->handle; });
-    evictable.insert(evictable.end(), prefetched.begin(), prefetched.end());
-    // Guided execution: swap-outs still queued behind the copy worker. Their device buffers stay until their turn
-    // on the emulated link comes (28.7 MiB of the transformer's swap-only plan take 160 ms on a p100 link, most of
-    // its forward pass), so the memory the plan freed on paper is still in use when the head allocates, and nothing
-    // else near it may be evictable (seen: 20 MiB refused with 30 MiB in queued 1 MiB and 256 KiB swap-outs).
-    // Evicted here, they are copied at once, like a pooled tensor, and leave the queue.
-    std::unordered_set<const Entry*> queued;
-    for (const auto& e : out_queue_) {
-      if (!e->released && e->state == Residency::kSwappingOut && e->bytes > 0 && e->device.IsInitialized() &&
-          e->device.RefCountIsOne()) {
-        evictable.push_back(e);
-        queued.insert(e.get());
-      }
-    }
-    if (chunks != nullptr) {
-      // A tensor whose buffer is not one of the map's chunks lives in the allocator wrapper's small-tensor pool:
-      // evicting it frees nothing the failed allocation could use.
-      std::unordered_set<uint64_t> starts;
-      for (const auto& c : *chunks) starts.insert(c.address);
-      evictable.erase(
-          std::remove_if(evictable.begin(), evictable.end(),
-                         [&starts](const std::shared_ptr<Entry>& e) {
-                           return starts.count(reinterpret_cast<uint64_t>(e->device.tensor_data().data())) == 0;
-                         }),
-          evictable.end());
-    }
-    // Where each evictable tensor's buffer starts (taken before anything is evicted; the trace below names them).
-    std::unordered_map<uint64_t, std::shared_ptr<Entry>> entry_at;
-    for (const auto& e : evictable) entry_at[reinterpret_cast<uint64_t>(e->device.tensor_data().data())] = e;
-    if (chunks != nullptr && contiguous) {
-      // BFC rounds every request up to a multiple of 256 bytes.
-      const int64_t need = (bytes_needed + 255) / 256 * 256;
-      const auto is_evictable = [&entry_at](uint64_t a) { return entry_at.count(a) > 0; };
-      for (uint64_t a : CheapestWindow(*chunks, is_evictable, need)) {
-        chosen.push_back(entry_at[a]);
-        freed += entry_at[a]->bytes;
-      }
-    }
-    for (const auto& e : evictable) {
-      if (!chosen.empty() || !contiguous) break;  // the window is chosen, or any bytes will do
-      if (e->bytes >= bytes_needed && e->bytes <= 2 * bytes_needed) {
-        chosen.push_back(e);
-        freed = e->bytes;
-      }
-    }
-    if (chosen.empty()) {  // no map, no window, or any bytes will do: the oldest ones until enough bytes
-      for (const auto& e : evictable) {
-        if (freed >= bytes_needed) break;
-        chosen.push_back(e);
-        freed += e->bytes;
-      }
-    }
-    for (const auto& e : chosen) {
-      void* buffer = AllocateHost(e->bytes);
-      if (buffer == nullptr) {
-        freed -= e->bytes;
-        continue;
-      }
-      std::memcpy(buffer, e->device.tensor_data().data(), e->bytes);
-      e->host = buffer;
-      counters_.host_bytes += e->bytes;
-      counters_.peak_host_bytes = std::max(counters_.peak_host_bytes, counters_.host_bytes);
-      counters_.swap_outs++;
-      counters_.bytes_out += e->bytes;
-      counters_.passive_evictions++;
-      counters_.passive_evicted_bytes += e->bytes;
-      drop.push_back(std::move(e->device));
-      e->device = Tensor();
-      e->state = Residency::kOut;
-      if (queued.count(e.get()) > 0) {
-        // Out of the copy worker's queue. A prefetch already asked for stays asked: the swap-in is queued now and
-        // waits for its turn on the link (its allocation may evict again).
-        out_queue_.erase(std::find(out_queue_.begin(), out_queue_.end(), e));
-        CopyDone();
-        counters_.expedited_swap_outs++;
-        if (e->prefetch_requested) EnqueueSwapIn(e, e->in_allocator);
-        continue;
-      }
-      e->prefetch_requested = false;
-      if (!e->pooled) {
-        counters_.guided_evictions++;
-        stalls_.push_back(Stall{start, NowNs(), e->bytes, 3, e->name});
-      }
+    const EvictionChoice choice = pool_.Choose(entries_, out_queue_, bytes_needed, chunks, contiguous);
+    freed = choice.freed;
+    for (const auto& e : choice.chosen) {
+      if (!Evict(e, choice.queued.count(e.get()) > 0, start, &drop)) freed -= e->bytes;
     }
     if (freed > 0) stalls_.push_back(Stall{start, NowNs(), freed, 0, ""});
-    if (trace_) {
-      std::string names;
-      for (const auto& e : chosen) names += " " + e->name + "(" + std::to_string(e->bytes) + ")";
-      std::string map;
-      if (chunks != nullptr && !chunks->empty()) {
-        // Every entry still on the device, evictable or not, named with its state (the ones not evictable show why).
-        std::unordered_map<uint64_t, std::string> any_at;
-        for (const auto& kv : entries_) {
-          const Entry* e = kv.second.get();
-          if (!e->device.IsInitialized() || e->bytes == 0) continue;
-          any_at[reinterpret_cast<uint64_t>(e->device.tensor_data().data())] =
-              "{" + std::string(e->pooled ? "pool" : "swap") + std::to_string(static_cast<int>(e->state)) +
-              (e->device.RefCountIsOne() ? "" : ",shared") + (e->waiter ? ",claimed" : "") + "}" + e->name;
-        }
-        for (const auto& c : *chunks) {
-          auto it = entry_at.find(c.address);
-          auto any = any_at.find(c.address);
-          map += " [" + std::to_string(c.address - chunks->front().address) + "+" + std::to_string(c.size) +
-                 (c.in_use ? (it != entry_at.end()
-                                  ? " " + it->second->name
-                                  : (any != any_at.end() ? " used" + any->second
-                                                         : " used(" + c.op + ")" + HandedAt(c.address, c.seq)))
-                           : " free") +
-                 "]";
-        }
-      }
-      // Straight to stderr: a log line is cut at about 15,000 characters, and a map is often longer.
-      const std::string line = "capuchin: EvictFor(" + std::to_string(bytes_needed) + ") evictable " +
-                               std::to_string(evictable.size()) + " freed " + std::to_string(freed) + ":" + names +
-                               (map.empty() ? "" : "; chunks:" + map) + "\n";
-      std::fwrite(line.data(), 1, line.size(), stderr);
-    }
-    if (freed == 0 && Config::Get().debug_evict) {
-      int64_t in = 0, in_shared = 0;
-      for (const auto& kv : entries_) {
-        const Entry* e = kv.second.get();
-        if (!e->pooled || e->state != Residency::kIn) continue;
-        in += e->bytes;
-        if (!e->device.RefCountIsOne()) {
-          in_shared += e->bytes;
-          LOG(WARNING) << "capuchin: pooled in use " << e->name << " " << e->bytes;
-        }
-      }
-      int64_t swapped_device = 0;  // device bytes of swap entries (not pooled) still on the device
-      for (const auto& kv : entries_) {
-        const Entry* e = kv.second.get();
-        if (!e->pooled && e->device.IsInitialized()) swapped_device += e->bytes;
-      }
-      LOG(WARNING) << "capuchin: EvictFor(" << bytes_needed << ") freed nothing; pooled resident " << in
-                   << " of which in use " << in_shared << "; swap entries on the device " << swapped_device
-                   << "; copies pending " << counters_.pending_copies;
-    }
+    trace_->Evicted(bytes_needed, choice, freed, chunks, entries_, counters_.pending_copies);
   }
   drop.clear();  // frees the device buffers, outside the lock
   return freed;
+}
+
+bool HostStore::Evict(const std::shared_ptr<Entry>& e, bool queued, int64_t start_ns, std::vector<Tensor>* drop) {
+  void* buffer = host_buffers_.Allocate(e->bytes);
+  if (buffer == nullptr) return false;
+  std::memcpy(buffer, e->device.tensor_data().data(), e->bytes);
+  e->host = buffer;
+  counters_.host_bytes += e->bytes;
+  counters_.peak_host_bytes = std::max(counters_.peak_host_bytes, counters_.host_bytes);
+  counters_.swap_outs++;
+  counters_.bytes_out += e->bytes;
+  counters_.passive_evictions++;
+  counters_.passive_evicted_bytes += e->bytes;
+  drop->push_back(std::move(e->device));
+  e->device = Tensor();
+  e->state = Residency::kOut;
+  if (queued) {
+    // Out of the copy worker's queue. A prefetch already asked for stays asked: the swap-in is queued now and
+    // waits for its turn on the link (its allocation may evict again).
+    out_queue_.erase(std::find(out_queue_.begin(), out_queue_.end(), e));
+    CopyDone();
+    counters_.expedited_swap_outs++;
+    if (e->prefetch_requested) EnqueueSwapIn(e, e->in_allocator);
+    return true;
+  }
+  e->prefetch_requested = false;
+  if (!e->pooled) {
+    counters_.guided_evictions++;
+    stalls_.push_back(Stall{start_ns, NowNs(), e->bytes, 3, e->name});
+  }
+  return true;
 }
 
 HostStore::DeviceBytes HostStore::ResidentDeviceBytes() {
@@ -538,24 +343,8 @@ int64_t HostStore::ReleaseAll() {
   }
   int64_t n = 0;
   for (int64_t h : handles) n += Release(h) ? 1 : 0;
-  TrimPool();
+  host_buffers_.Trim();
   return n;
-}
-
-int64_t HostStore::TraceSeq() {
-  static std::atomic<int64_t> seq{0};
-  return ++seq;
-}
-
-std::string HostStore::HandedAt(uint64_t address, int64_t alloc_seq) const {
-  auto it = handed_.find(address);
-  // A hand-over before the chunk's allocation was of an earlier tensor at that address.
-  return it == handed_.end() || it->second.second < alloc_seq ? "" : "<" + it->second.first + ">";
-}
-
-void HostStore::NoteHanded(const Tensor& tensor, const std::string& name, const char* how) {
-  if (!trace_ || !tensor.IsInitialized() || tensor.TotalBytes() == 0) return;
-  handed_[reinterpret_cast<uint64_t>(tensor.tensor_data().data())] = {std::string(how) + ":" + name, TraceSeq()};
 }
 
 void HostStore::Erase(int64_t handle) {
@@ -564,43 +353,10 @@ void HostStore::Erase(int64_t handle) {
 
 void HostStore::FreeHostBuffer(Entry* e) {
   if (e->host != nullptr) {
-    RecycleHost(e->host, e->bytes);
+    host_buffers_.Recycle(e->host, e->bytes);
     e->host = nullptr;
     counters_.host_bytes -= e->bytes;
   }
-}
-
-void* HostStore::AllocateHost(int64_t bytes) {
-  {
-    std::lock_guard<std::mutex> lock(pool_mu_);
-    auto it = pool_.find(bytes);
-    if (it != pool_.end()) {
-      void* buffer = it->second;
-      pool_.erase(it);
-      pool_bytes_ -= bytes;
-      return buffer;
-    }
-  }
-  return port::AlignedMalloc(bytes, kHostAlignment);
-}
-
-void HostStore::RecycleHost(void* buffer, int64_t bytes) {
-  {
-    std::lock_guard<std::mutex> lock(pool_mu_);
-    if (pool_bytes_ + bytes <= pool_cap_bytes_) {
-      pool_.emplace(bytes, buffer);
-      pool_bytes_ += bytes;
-      return;
-    }
-  }
-  port::AlignedFree(buffer);
-}
-
-void HostStore::TrimPool() {
-  std::lock_guard<std::mutex> lock(pool_mu_);
-  for (auto& kv : pool_) port::AlignedFree(kv.second);
-  pool_.clear();
-  pool_bytes_ = 0;
 }
 
 void HostStore::SleepForLink(double bps, int64_t bytes, int64_t start_ns) {
@@ -631,7 +387,7 @@ void HostStore::RunOutWorker() {
     void* buffer = nullptr;
     bool host_ok = true;
     if (e->bytes > 0) {
-      buffer = AllocateHost(e->bytes);
+      buffer = host_buffers_.Allocate(e->bytes);
       host_ok = buffer != nullptr;
       if (host_ok) std::memcpy(buffer, source.tensor_data().data(), e->bytes);
     }
@@ -774,8 +530,7 @@ void HostStore::SetLinkBandwidth(double device_to_host_bps, double host_to_devic
 HostStoreCounters HostStore::Counters() {
   std::lock_guard<std::mutex> lock(mu_);
   HostStoreCounters c = counters_;
-  std::lock_guard<std::mutex> pool_lock(pool_mu_);
-  c.pool_bytes = pool_bytes_;
+  c.pool_bytes = host_buffers_.bytes();
   return c;
 }
 

@@ -8,6 +8,10 @@
 //
 // Copies run on two worker threads, one per direction, so that they overlap compute and serialize per direction the
 // way a GPU's two copy engines do. An optional link emulation makes each copy of N bytes take N / bandwidth seconds.
+// The store keeps the handles, their statuses, the copies and the statistics; it delegates the host buffers to a
+// HostBufferPool (host_buffer_pool.h), the choice of what passive mode evicts to a TensorPool (tensor_pool.h) and its
+// debug output to a StoreTrace (store_trace.h).
+//
 // Every buffer is released on every path: when consumed, when the step that created the handle ends with the handle
 // unused (the last copy of its handle is gone: see HandleGuard in swap_kernels.cc), or on ReleaseHandle /
 // ReleaseAll.
@@ -27,7 +31,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "host_buffer_pool.h"
 #include "host_store_stats.h"
+#include "store_entry.h"
+#include "store_trace.h"
+#include "tensor_pool.h"
 #include "tensorflow/core/framework/allocator.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -35,8 +43,6 @@
 
 namespace tensorflow {
 namespace capuchin {
-
-enum class Residency : int32_t { kIn = 0, kSwappingOut = 1, kOut = 2, kSwappingIn = 3 };
 
 // A time interval the step spent waiting on the host store (removed from the ideal timeline).
 struct Stall {
@@ -51,7 +57,8 @@ struct Stall {
 
 class HostStore {
  public:
-  using SwapInCallback = std::function<void(const absl::Status&, const Tensor&)>;
+  using SwapInCallback = capuchin::SwapInCallback;
+  using ChunkSpan = capuchin::ChunkSpan;
 
   // The process-wide store (never destroyed: its worker threads live as long as the process).
   static HostStore* Global();
@@ -78,21 +85,8 @@ class HostStore {
   // `last`: no other Get of this handle is left (the caller holds the only reference to the handle): the tensor is
   // handed over and the entry erased, so the pool no longer shares its buffer.
   absl::Status Get(int64_t handle, const AllocateFn& allocate, DataType expected_dtype, bool last, Tensor* out);
-  // `chunks`, when the allocator can tell (the simulated device's BFC), is its memory map in address order: then
-  // the pooled tensors evicted are those of the contiguous run of free and evictable chunks that is large enough and
-  // holds the fewest evictable bytes (an allocation needs one free chunk, not free bytes in total). `contiguous`
-  // false: any `bytes_needed` bytes will do (a memory budget below the device's size is what refused the
-  // allocation), the oldest evictable tensors first; `chunks` then only tells which tensors live in the device's
-  // memory (not in the small-tensor pool, where evicting frees nothing the device counts).
-  struct ChunkSpan {
-    uint64_t address;
-    int64_t size;
-    bool in_use;
-    std::string op;   // the op that allocated it, where the allocator recorded one (traces only)
-    int64_t seq = 0;  // when it was allocated, in TraceSeq order (traces only)
-  };
   // Traces only: a process-wide sequence number ordering allocations and hand-overs.
-  static int64_t TraceSeq();
+  static int64_t TraceSeq() { return capuchin::TraceSeq(); }
   // The device bytes of the tensors the store holds, by whether another holder shares them: `shared`, an op that
   // runs or waits to run (not evictable), `idle`, only the store (evictable).
   struct DeviceBytes {
@@ -100,6 +94,8 @@ class HostStore {
     int64_t idle = 0;
   };
   DeviceBytes ResidentDeviceBytes();
+  // `chunks`: the device's memory map in address order, when the allocator can tell (the simulated device's BFC);
+  // `contiguous` false: any `bytes_needed` bytes will do. TensorPool::Choose (tensor_pool.h) says what is evicted.
   int64_t EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks = nullptr, bool contiguous = true);
   // Copies in flight free device memory when they finish (a swap-out) or make an evictable tensor (a prefetch).
   // CopyGeneration: -1 when no copy is pending, else a number that changes each time one finishes; WaitForCopy
@@ -123,8 +119,7 @@ class HostStore {
   void ResetCounters();
 
  private:
-  struct Entry;
-  struct Worker;
+  using Entry = StoreEntry;
 
   HostStore();
   static std::shared_ptr<Entry> NewEntry(const Tensor& tensor, const std::string& name, Residency state, bool pooled);
@@ -133,21 +128,12 @@ class HostStore {
   void RunInWorker();
   void EnqueueSwapIn(const std::shared_ptr<Entry>& e, Allocator* device_allocator);  // mu_ held
   void FreeHostBuffer(Entry* e);                                                     // mu_ held
-  // Host buffers are pooled by size: a training step swaps the same sizes every iteration, and reusing a buffer
-  // avoids the page faults of fresh memory, which otherwise halve the copy speed. The pool is capped at
-  // $CAPUCHIN_TF_HOST_POOL_MB MiB (config.h).
-  void* AllocateHost(int64_t bytes);
-  void RecycleHost(void* buffer, int64_t bytes);
-  void TrimPool();
+  // mu_ held: copies an entry EvictFor chose to host memory and moves its device buffer to `drop` (`queued`: a
+  // swap-out still waiting for the copy worker). False when host memory ran out (the entry stays as it was).
+  bool Evict(const std::shared_ptr<Entry>& e, bool queued, int64_t start_ns, std::vector<Tensor>* drop);
   void SleepForLink(double bps, int64_t bytes, int64_t start_ns);
-  void Erase(int64_t handle);  // mu_ held
-  // Traces only ($CAPUCHIN_TF_TRACE_EVICT): the last tensor handed to an op at each device address (a Get's last
-  // reader, a SwapIn), named in the eviction trace's memory map.
-  void NoteHanded(const Tensor& tensor, const std::string& name, const char* how);  // mu_ held
-  std::string HandedAt(uint64_t address, int64_t alloc_seq) const;                  // mu_ held
-  const bool trace_;
-  std::unordered_map<uint64_t, std::pair<std::string, int64_t>> handed_;  // name, TraceSeq()
-  void CopyDone();                                                        // mu_ held: a copy finished
+  void Erase(int64_t handle);    // mu_ held
+  void CopyDone();               // mu_ held: a copy finished
   void LogWait(const Entry& e);  // mu_ held: a SwapIn waited from e.wait_start_ns until now
 
   std::mutex mu_;
@@ -155,7 +141,7 @@ class HostStore {
   std::condition_variable copy_cv_;  // a copy finished (copies_done_ changed)
   int64_t copies_done_ = 0;
   std::condition_variable get_cv_;  // a Get that found its entry being brought back by another Get waits here
-  std::unordered_map<int64_t, std::shared_ptr<Entry>> entries_;
+  EntryMap entries_;
   std::deque<std::shared_ptr<Entry>> out_queue_, in_queue_;
   int64_t next_handle_ = 1;
   double out_bps_ = 0.0, in_bps_ = 0.0;
@@ -163,11 +149,9 @@ class HostStore {
   std::thread out_thread_, in_thread_;
   std::atomic<bool> passive_{false};
   std::vector<Stall> stalls_;
-  std::deque<int64_t> hold_order_;  // pooled handles in hold order (may name released ones: skipped)
-  std::mutex pool_mu_;              // taken after mu_ when both are held
-  std::unordered_multimap<int64_t, void*> pool_;
-  int64_t pool_bytes_ = 0;
-  int64_t pool_cap_bytes_ = 0;
+  HostBufferPool host_buffers_;
+  TensorPool pool_;                          // mu_ held
+  const std::unique_ptr<StoreTrace> trace_;  // mu_ held
 };
 
 }  // namespace capuchin
