@@ -1,6 +1,6 @@
 """`python -m capuchin_tf bench`: argument checks, a real `bench equal` and an out-of-memory `bench run`.
 
-The workers run in fresh processes on their own simulated device (bench_cli.run_worker), whatever this process's.
+The workers run in fresh processes on their own simulated device (cli/common.run_worker), whatever this process's.
 """
 
 import json

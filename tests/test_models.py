@@ -1,6 +1,6 @@
-"""The benchmark model zoo (capuchin_tf/models.py): quick-tier models build, train, are deterministic across
-processes, and list every variable their step touches. The standard and paper tiers are too slow for tests; see
-benchmarks/models_smoke.py."""
+"""The benchmark models (capuchin_tf/cli/models.py): quick-tier models build, train, are deterministic across
+processes, and list every variable their step touches. The standard and paper tiers are too slow for tests; `python
+-m capuchin_tf bench run --policy tf --model M --batch B ...` runs any of them plain."""
 
 import concurrent.futures
 import math

@@ -11,25 +11,26 @@ import functools
 
 import pytest
 
-from capuchin_tf.cli.bench import run_worker
-from capuchin_tf.core.budget import fraction_budget_mb
+from capuchin_tf.cli.common import run_worker
+from capuchin_tf.core.budget import MiB, fraction_budget_mb
 
-MiB = 1 << 20
 STEPS = 5
 # (model, batch, transient fraction): half the transient peak for every model. The transformer's masked-LM head needs
 # [640, 8192] float tensors (20 MiB each at batch 32) and half its transient peak is 81-86 MiB, a few MiB above what
 # its head holds at once: it fits because pooled tensors are the pool's as soon as they are made (Hold runs inline),
 # gradient ops ready in the forward pass are deferred to where they are read, and the pool's last reader computes in
-# place (docs/decisions.md, eighth session). dropout-bn is within a few MiB of its floor too (a BatchNorm gradient of
-# its first stage and a 22.5-27 MiB convolution workspace).
+# place (docs/decisions.md, "Hold, SwapOut and Prefetch are inexpensive kernels", "Ops outside the forward pass ready
+# long before their readers are deferred", "The last Get hands the tensor over"). dropout-bn is within a few MiB of
+# its floor too (a BatchNorm gradient of its first stage and a 22.5-27 MiB convolution workspace).
 MODELS = [("mlp", 2048, 0.5), ("cnn", 128, 0.5), ("dropout-bn", 128, 0.5), ("transformer", 32, 0.5)]
 POLICIES = ["capuchin", "swap-only", "recompute-only"]
 
 
 def worker(model, batch, policy, budget_mb, steps=STEPS, device_mb=None):
     device_mb = device_mb or budget_mb
-    return run_worker(["--model", model, "--batch", str(batch), "--budget-mb", str(budget_mb), "--device-mb",
-                       str(device_mb), "--policy", policy, "--link", "p100", "--steps", str(steps)], device_mb)
+    return run_worker("bench-worker", ["--model", model, "--batch", str(batch), "--budget-mb", str(budget_mb),
+                                       "--device-mb", str(device_mb), "--policy", policy, "--link", "p100",
+                                       "--steps", str(steps)], device_mb)
 
 
 # The policies' ablation on the transformer and dropout-bn is a command with recorded results (docs/results.md, `bench

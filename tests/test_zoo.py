@@ -3,7 +3,8 @@
 Each case runs plain TensorFlow with enough memory, then `capuchin_tf.function` at persistent + half the transient
 peak on a device of exactly that budget and on one of twice it, every run a `bench` worker in a fresh process. What
 is asserted is the promise (design.md): no silent difference, no crash; every CI case guided within the budget on the
-larger device; on a device of exactly the budget, guided or refused before any variable changes with the reason. The classification and the table are checked on hand-made runs first (no TensorFlow).
+larger device; on a device of exactly the budget, guided or refused before any variable changes with the reason. The
+classification and the table are checked on hand-made runs first (no TensorFlow).
 """
 
 import json

@@ -45,47 +45,23 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
-import tempfile
 
-from capuchin_tf.core.budget import fraction_budget_mb
-from capuchin_tf.cli.common import CliError, register_subcommand
-from capuchin_tf.tf.simulated_device import simulated_device_env
+from capuchin_tf.cli import host_store_bench, planner_bench
+from capuchin_tf.cli.common import SIZE_HELP, CliError, git_commit, machine, register_subcommand, run_worker, whole_mib
+from capuchin_tf.core.budget import MiB, fraction_budget_mb
+from capuchin_tf.core.device_model import LINK_NAMES
+from capuchin_tf.tf.simulated_device import DEVICE
 
-MiB = 1 << 20
 DEFAULT_DEVICE_MB = 16384
-LINKS = ("native", "p100")
 PLAN_COUNTS = ("swapped_tensors", "swapped_bytes", "recomputed_tensors", "recomputed_bytes", "replans", "settled")
-
-
-def run_worker(args: list[str], limit_mb: int, timeout: float | None = None) -> dict:
-    """Runs `python -m capuchin_tf bench-worker ...` in a fresh process on a simulated device of `limit_mb` MiB.
-
-    The worker's progress lines go to this process's standard output as they come; returns its JSON result. Raises
-    CliError when the process leaves no result (it died, or ran longer than `timeout` seconds and was killed).
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        out = pathlib.Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "capuchin_tf", "bench-worker", *args, "--result", str(out)]
-        sys.stdout.flush()
-        try:
-            proc = subprocess.run(cmd, env=simulated_device_env(limit_mb), stderr=subprocess.PIPE, text=True,
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-            raise CliError(f"the worker process was killed after the {timeout:g} s timeout:\n{stderr[-4000:]}\n"
-                           f"timed out after {timeout:g} s") from None
-        if not out.exists():
-            raise CliError(f"the worker process failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
-        return json.loads(out.read_text())
 
 
 # ---- the worker (runs inside the fresh process) ----------------------------------------------------------------------
 def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--budget-mb", type=int, required=True)
+    p.add_argument("--budget-mb", type=whole_mib, required=True)
     p.add_argument("--policy", required=True)
     p.add_argument("--link", required=True)
     p.add_argument("--steps", type=int, required=True)
@@ -93,7 +69,7 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curve", help="write the last step's device-memory curve (JSON [[s, bytes], ...]) there")
     p.add_argument("--stop-on-rescue", action="store_true",
                    help="stop at the first step that passive mode had to rescue (maxbatch: that batch does not run)")
-    p.add_argument("--device-mb", type=int, default=None,
+    p.add_argument("--device-mb", type=whole_mib, default=None,
                    help="the simulated device's size, MiB, recorded (the parent sets it in the environment; default: "
                         "--budget-mb)")
     p.add_argument("--save-initial-values", metavar="PATH",
@@ -109,18 +85,6 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "instead of failing the process (bench zoo)")
 
 
-def _machine() -> dict:
-    import os
-    import platform
-
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        memory = None
-    return {"cores": os.cpu_count(), "memory_bytes": memory, "platform": platform.platform(),
-            "python": platform.python_version()}
-
-
 def _run_worker(a: argparse.Namespace) -> int:
     import datetime
     import pickle
@@ -133,7 +97,8 @@ def _run_worker(a: argparse.Namespace) -> int:
 
     import capuchin_tf  # installs the allocator wrapper before the first op (the `tf` baseline runs through it too)
     from capuchin_tf.cli import models
-    from capuchin_tf.runtime.managed_step import oom_line
+    from capuchin_tf.frontend import decorator
+    from capuchin_tf.runtime.errors import oom_line
 
     def error_line(e: Exception) -> str:
         return f"{type(e).__name__}: {oom_line(e)}"
@@ -168,7 +133,7 @@ def _run_worker(a: argparse.Namespace) -> int:
         "budget_mb": a.budget_mb, "budget_bytes": budget, "device_mb": device_mb,
         "device_limit_bytes": int(capuchin_tf.allocator_stats()["bytes_limit"]), "tf_version": tf.__version__,
         "capuchin_tf_version": capuchin_tf.__version__, "date": datetime.date.today().isoformat(),
-        "machine": _machine(), "ok": True, "error": None, "persistent_bytes": None, "peak_bytes": None,
+        "machine": machine(), "ok": True, "error": None, "persistent_bytes": None, "peak_bytes": None,
         "step_peak_bytes": [], "step_s": [], "phases": [], "late_prefetches": [], "retries": [], "losses": [],
         "median_step_s": None, "samples_per_s": None, "swapped_tensors": 0, "swapped_bytes": 0,
         "recomputed_tensors": 0, "recomputed_bytes": 0, "replans": 0, "settled": None, "report": None,
@@ -197,24 +162,25 @@ def _run_worker(a: argparse.Namespace) -> int:
         pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
         return 0
     result["model_info"] = setup.info
-    result["persistent_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    result["persistent_bytes"] = tf.config.experimental.get_memory_info(DEVICE)["current"]
     managed = None
     if a.policy != "tf":
         try:
             # CAPUCHIN_TF_VERBOSE=1: the decorator says what it does (plans, retries, passive rescues) as it goes.
-            managed = capuchin_tf.function(setup.train_step, memory_budget=budget, policy=a.policy, link=a.link,
-                                           verbose=os.environ.get("CAPUCHIN_TF_VERBOSE", "") not in ("", "0"))
+            # --stop-on-rescue: a step passive mode would have to rescue ends the run at once.
+            options = decorator.make_options(budget, policy=a.policy, link=a.link,
+                                             passive_rescue=not a.stop_on_rescue,
+                                             verbose=os.environ.get("CAPUCHIN_TF_VERBOSE", "") not in ("", "0"))
+            managed = decorator.wrap_step(setup.train_step, options)
         except recorded as e:
             record_error(e)
             result.update(losses_hex=[], variables_sha256=setup.variables_sha256())
             pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
             return 0
-    if managed is not None and a.stop_on_rescue:
-        managed.passive_rescue = False  # a step passive mode would have to rescue ends the run at once
     step = setup.train_step if managed is None else managed
     try:
         for i in range(a.steps):
-            tf.config.experimental.reset_memory_stats("CPU:0")
+            tf.config.experimental.reset_memory_stats(DEVICE)
             t0 = time.perf_counter()
             if a.curve and i == a.steps - 1:
                 from capuchin_tf.tf.measure import memory_curve
@@ -224,7 +190,7 @@ def _run_worker(a: argparse.Namespace) -> int:
             else:
                 loss = step(*setup.inputs)
             seconds = time.perf_counter() - t0
-            peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+            peak = tf.config.experimental.get_memory_info(DEVICE)["peak"]
             record = next(iter(managed.report().values()))["steps"][-1] if managed is not None else None
             phase, late = (record["phase"], record["late_prefetches"]) if record else ("plain", 0)
             evicted = record.get("passive_evicted_bytes", 0) if record and phase == "guided" else 0
@@ -265,17 +231,17 @@ def _run_worker(a: argparse.Namespace) -> int:
 
 # ---- bench run / bench equal -----------------------------------------------------------------------------------------
 def _add_common_arguments(p: argparse.ArgumentParser, fraction: bool = False) -> None:
-    p.add_argument("--model", required=True, help="a model name (python -c 'from capuchin_tf import models; "
+    p.add_argument("--model", required=True, help="a model name (python -c 'from capuchin_tf.cli import models; "
                                                     "print(models.describe())')")
     p.add_argument("--batch", type=int, required=True)
     if fraction:
         budget = p.add_mutually_exclusive_group(required=True)
-        budget.add_argument("--budget-mb", type=int, help="device memory and budget, MiB")
+        budget.add_argument("--budget-mb", type=whole_mib, help=f"device memory and budget: {SIZE_HELP}")
         budget.add_argument("--transient-fraction", type=float,
                             help="budget as persistent + this fraction of the plain run's transient peak (0.5: the "
                                  "protocol's 'half the transient peak'), rounded up to a MiB")
     else:
-        p.add_argument("--budget-mb", type=int, required=True, help="device memory and budget, MiB")
+        p.add_argument("--budget-mb", type=whole_mib, required=True, help=f"device memory and budget: {SIZE_HELP}")
     p.add_argument("--policy", required=True, help="a registered policy (capuchin, swap-only, recompute-only, "
                                                    "swap-all, checkpoint) or tf (plain TensorFlow, no decorator)")
     p.add_argument("--steps", type=int, required=True, help="training steps (the first is the measured one)")
@@ -307,7 +273,7 @@ def _maxbatch(a: argparse.Namespace) -> int:
         print(f"  batch {batch}: {a.steps} steps ...", flush=True)
         args = ["--model", a.model, "--batch", str(batch), "--budget-mb", str(a.budget_mb), "--policy", a.policy,
                 "--link", a.link, "--steps", str(a.steps), "--stop-on-rescue"]
-        r = run_worker(args, a.budget_mb)
+        r = run_worker("bench-worker", args, a.budget_mb)
         runs = batch_runs(r, budget)
         r.pop("report", None)
         trials.append({"batch": batch, "runs": runs, **{k: r.get(k) for k in (
@@ -354,11 +320,17 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--curve", help="also write the last step's device-memory curve there (JSON [[s, bytes], ...])")
     equal = sub.add_parser("equal", help="plain TensorFlow with enough memory against the policy under the budget")
     _add_common_arguments(equal, fraction=True)
-    equal.add_argument("--device-mb", type=int, default=DEFAULT_DEVICE_MB,
+    equal.add_argument("--device-mb", type=whole_mib, default=DEFAULT_DEVICE_MB,
                        help=f"device memory of the plain run, MiB (default {DEFAULT_DEVICE_MB})")
+    host_store_bench.add_arguments(sub.add_parser(
+        "host-store", help="the host store's copy throughput and the link emulation's accuracy"))
+    planner_bench.add_table_arguments(sub.add_parser(
+        "plan-table", help="the planner alone: predicted peak and step time per policy on recorded traces"))
+    planner_bench.add_speed_arguments(sub.add_parser(
+        "plan-speed", help="the planner alone: planning time per policy on a BERT-base-sized synthetic trace"))
     maxbatch = sub.add_parser("maxbatch", help="the largest batch that runs under the budget")
     maxbatch.add_argument("--model", required=True)
-    maxbatch.add_argument("--budget-mb", type=int, required=True, help="device memory and budget, MiB")
+    maxbatch.add_argument("--budget-mb", type=whole_mib, required=True, help=f"device memory and budget: {SIZE_HELP}")
     maxbatch.add_argument("--policy", required=True)
     maxbatch.add_argument("--link", default="native", help="link regime: native or p100 (default native)")
     maxbatch.add_argument("--start", type=int, required=True, help="the first batch tried")
@@ -405,8 +377,8 @@ def _validate(a: argparse.Namespace) -> None:
     policies = sorted({*POLICIES, "tf"})
     if a.policy not in policies:
         raise CliError(f"unknown policy {a.policy!r}; valid policies: {', '.join(policies)}")
-    if a.link not in LINKS:
-        raise CliError(f"unknown link {a.link!r}; valid links: {', '.join(LINKS)}")
+    if a.link not in LINK_NAMES:
+        raise CliError(f"unknown link {a.link!r}; valid links: {', '.join(LINK_NAMES)}")
     if not pathlib.Path(a.json).parent.is_dir():
         raise CliError(f"cannot write {a.json}: {pathlib.Path(a.json).parent} is not a directory")
     from capuchin_tf.cli.models import MODELS
@@ -423,9 +395,7 @@ def _worker_args(a: argparse.Namespace, policy: str, budget_mb: int) -> list[str
 
 
 def _write(path: str, data: dict) -> None:
-    """Writes a bench result, stamped with the commit it was measured on (zoo.git_commit)."""
-    from capuchin_tf.cli.zoo import git_commit
-
+    """Writes a bench result, stamped with the commit it was measured on (common.git_commit)."""
     data = {"commit": git_commit(), **data}
     try:
         pathlib.Path(path).write_text(json.dumps(data, indent=1))
@@ -488,6 +458,12 @@ def _zoo(a: argparse.Namespace) -> int:
 def _run(a: argparse.Namespace) -> int:
     if a.action == "zoo":
         return _zoo(a)
+    if a.action == "host-store":
+        return host_store_bench.run(a)
+    if a.action == "plan-table":
+        return planner_bench.run_table(a)
+    if a.action == "plan-speed":
+        return planner_bench.run_speed(a)
     if a.action == "maxbatch":
         a.batch = a.start
         _validate(a)
@@ -498,14 +474,14 @@ def _run(a: argparse.Namespace) -> int:
     if a.action == "run":
         print(f"bench run: {what}, {a.budget_mb} MiB device, steps: {a.steps} ...", flush=True)
         extra = ["--curve", a.curve] if getattr(a, "curve", None) else []
-        result = run_worker(_worker_args(a, a.policy, a.budget_mb) + extra, a.budget_mb)
+        result = run_worker("bench-worker", _worker_args(a, a.policy, a.budget_mb) + extra, a.budget_mb)
         _write(a.json, result)
         print(f"{what}: {_summary(result)}")
         print(f"  result written to {a.json}")
         return 0 if result["ok"] else 1
 
     print(f"[1/2] plain TensorFlow, {a.device_mb} MiB device, steps: {a.steps} ...", flush=True)
-    plain = run_worker(_worker_args(a, "tf", a.device_mb), a.device_mb)
+    plain = run_worker("bench-worker", _worker_args(a, "tf", a.device_mb), a.device_mb)
     if not plain["ok"]:
         raise CliError(f"plain TensorFlow does not run on {a.device_mb} MiB: {plain['error']} (raise --device-mb)")
     if a.transient_fraction is not None:
@@ -513,7 +489,7 @@ def _run(a: argparse.Namespace) -> int:
         print(f"  plain peak {plain['peak_bytes'] / MiB:.1f} MiB, persistent {plain['persistent_bytes'] / MiB:.1f} "
               f"MiB: budget {a.budget_mb} MiB (persistent + {a.transient_fraction:g} x transient)", flush=True)
     print(f"[2/2] policy {a.policy}, {a.budget_mb} MiB device, steps: {a.steps} ...", flush=True)
-    managed = run_worker(_worker_args(a, a.policy, a.budget_mb), a.budget_mb)
+    managed = run_worker("bench-worker", _worker_args(a, a.policy, a.budget_mb), a.budget_mb)
     equal = (managed["ok"] and managed["losses_hex"] == plain["losses_hex"]
              and managed["variables_sha256"] == plain["variables_sha256"])
     meta = ("model", "batch", "policy", "link", "steps", "budget_mb", "budget_bytes", "tf_version",
@@ -545,7 +521,8 @@ def _run(a: argparse.Namespace) -> int:
 
 register_subcommand("bench", _add_arguments, _run,
                     help="train a named model under a memory budget and measure it (run), compare it bit for bit "
-                         "with plain TensorFlow (equal), find the largest batch that runs (maxbatch), or run the "
-                         "conformance zoo (zoo)")
-register_subcommand("bench-worker", _add_worker_arguments, _run_worker,
+                         "with plain TensorFlow (equal), find the largest batch that runs (maxbatch), run the "
+                         "conformance zoo (zoo); measure the host store (host-store) or the planner alone "
+                         "(plan-table, plan-speed)")
+register_subcommand("bench-worker", _add_worker_arguments, _run_worker, hidden=True,
                     help="(internal) one run of `bench` in a fresh process")

@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Callable
+import datetime
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
 
-MiB = 1 << 20
+from capuchin_tf.core.budget import MiB, parse_budget
+from capuchin_tf.tf.simulated_device import simulated_device_env
 
 
 class CliError(Exception):
@@ -24,6 +33,7 @@ class Subcommand:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int | None]
+    hidden: bool = False  # internal (a worker the parent process starts): not listed in --help
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {}
@@ -35,21 +45,107 @@ def register_subcommand(
     run: Callable[[argparse.Namespace], int | None],
     *,
     help: str = "",
+    hidden: bool = False,
     replace: bool = False,
 ) -> None:
     """Adds `name` to the command line (see the module docstring)."""
     if name in SUBCOMMANDS and not replace:
         raise ValueError(f"subcommand {name!r} is already registered")
-    SUBCOMMANDS[name] = Subcommand(name, help, add_arguments, run)
+    SUBCOMMANDS[name] = Subcommand(name, help, add_arguments, run, hidden)
+
+
+# One syntax for every size on the command line: a number of MiB (what the flags' `-mb` says), or a size with its
+# unit as `capuchin_tf.function(memory_budget=...)` takes it ("2GiB", "512MiB", "1073741824B"; core.budget).
+SIZE_HELP = "MiB, or a size with its unit (2GiB, 512MiB)"
+
+
+def _size_bytes(text: str, what: str) -> int:
+    text = str(text).strip()
+    try:
+        return int(float(text) * MiB)
+    except (ValueError, OverflowError):  # not a number, or nan / inf
+        pass
+    try:
+        return parse_budget(text)
+    except (TypeError, ValueError):
+        raise CliError(f"{what} must be {SIZE_HELP}, got {text!r}") from None
 
 
 def mib_arg(text: str, what: str, *, positive: bool = False) -> int:
-    """MiB given on the command line, in bytes: a finite number >= 0 (> 0, and at least one byte, when `positive`)."""
+    """A size given on the command line (SIZE_HELP), in bytes: finite and >= 0 (at least one byte when `positive`)."""
     try:
-        v = float(text)
-    except (TypeError, ValueError):
-        raise CliError(f"{what} must be a number of MiB, got {text!r}") from None
-    kind = "positive" if positive else "non-negative"
-    if not v >= 0 or v == float("inf") or (positive and int(v * MiB) <= 0):
-        raise CliError(f"{what} must be a {kind} number of MiB, got {text!r}")
-    return int(v * MiB)
+        v = float(str(text).strip())
+    except ValueError:
+        v = None
+    if v is not None and (not v >= 0 or v == float("inf")):
+        raise CliError(f"{what} must be a {'positive' if positive else 'non-negative'} size, got {text!r}")
+    value = _size_bytes(text, what)
+    if positive and value <= 0:
+        raise CliError(f"{what} must be a positive size, got {text!r}")
+    return value
+
+
+def whole_mib(text: str) -> int:
+    """argparse type of a device size or a benchmark budget (SIZE_HELP): a whole number of MiB (the simulated
+    device's limit is set in MiB)."""
+    try:
+        value = _size_bytes(text, "the size")
+    except CliError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value % MiB:
+        raise argparse.ArgumentTypeError(f"a device size is a whole number of MiB, got {text!r}")
+    return value // MiB
+
+
+def run_worker(subcommand: str, args: list[str], limit_mb: int, timeout: float | None = None) -> dict:
+    """Runs `python -m capuchin_tf <subcommand> ...` (a hidden worker) in a fresh process on a simulated device of
+    `limit_mb` MiB; returns its JSON result.
+
+    The worker's standard output (its progress lines) goes to this process's as it comes. Raises CliError when the
+    process leaves no result (it died, or ran longer than `timeout` seconds and was killed).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "capuchin_tf", subcommand, *args, "--result", str(out)]
+        sys.stdout.flush()
+        try:
+            proc = subprocess.run(cmd, env=simulated_device_env(limit_mb), stderr=subprocess.PIPE, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            raise CliError(f"the worker process was killed after the {timeout:g} s timeout:\n{stderr[-4000:]}\n"
+                           f"timed out after {timeout:g} s") from None
+        if not out.exists():
+            raise CliError(f"the worker process failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def machine() -> dict:
+    """The machine a result was measured on (every result JSON carries it)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        memory = None
+    return {"node": platform.node(), "cores": os.cpu_count(), "memory_bytes": memory,
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def git_commit(repo: str | pathlib.Path | None = None) -> str:
+    """`git rev-parse HEAD`, with "-dirty" when tracked files changed; "unknown" outside a git work tree."""
+    cwd = pathlib.Path(repo or pathlib.Path(__file__).resolve().parents[2])
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+
+
+def stamp() -> dict:
+    """What every result JSON starts with: the commit, the date and the machine."""
+    return {"commit": git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": machine()}

@@ -20,7 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd in SUBCOMMANDS.values():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        # A hidden (worker) subcommand is given no `help`: argparse then leaves it out of the list.
+        p = sub.add_parser(cmd.name, description=cmd.help) if cmd.hidden else sub.add_parser(
+            cmd.name, help=cmd.help, description=cmd.help)
         cmd.add_arguments(p)
     return parser
 

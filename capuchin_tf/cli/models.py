@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -61,8 +62,8 @@ _DESCRIPTIONS: dict[str, str] = {
 NUM_CLASSES = 100  # CNNs (benchmarks.md, "Training set-up")
 MLP_CLASSES = 10
 # The mlp is deep and narrow (12 x 512) rather than shallow and wide: a step's transient peak is then many layers'
-# activations against one layer's working set, as in real networks. (Until 2026-11-30 it was 4 x 1024; there a single
-# layer's backward pass needed half the transient peak, so no policy could train it at half: docs/results.md.)
+# activations against one layer's working set, as in real networks. In a shallow, wide MLP one layer's backward pass
+# alone needs about half the transient peak, so no policy can train it at half.
 MLP_LAYERS = 12
 MLP_WIDTH = 512
 MASKED_POSITIONS = 20  # masked-LM predictions per sequence
@@ -506,7 +507,8 @@ def build(name: str, batch: int, seed: int = 0) -> TrainingSetup:
 
     variables, roles, written_variables, unused = step_variables(
         name, train_step, [model], ((model.trainable_variables, "trainable"),
-                                    (model.non_trainable_variables, "non_trainable"), (optimizer.variables, "optimizer")))
+                                    (model.non_trainable_variables, "non_trainable"),
+                                    (optimizer.variables, "optimizer")))
 
     input_size = tuple(int(d) for d in inputs[0].shape[1:])
     trainable_params = sum(int(v.shape.num_elements()) for v in model.trainable_variables)
@@ -551,8 +553,8 @@ def initial_values(load: Sequence[np.ndarray] | None = None) -> Iterator[list]:
 
     For the benchmarks on a device of the budget's size: an initializer runs on the device and its temporaries
     (a random draw, then its scaling: two to three tensors of the variable's size) land between the variables already
-    made, so a model whose variables alone fill most of the device may not build (ResNet101 on 191 MiB: out of memory
-    on a 9 MiB [3,3,512,512] draw with 27 MiB left). Built from the host copies of another build's initial values
+    made, so a model whose variables alone fill most of the device may not build (docs/decisions.md, "Decorated runs
+    build from plain TensorFlow's initial values"). Built from the host copies of another build's initial values
     (plain TensorFlow's run), each variable takes one allocation of its own size, and the runs start from the same
     bits. Keras' private API it needs is in `capuchin_tf.tf.keras_init`."""
     from capuchin_tf.tf import keras_init

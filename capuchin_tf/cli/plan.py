@@ -8,14 +8,14 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from capuchin_tf.cli.common import CliError, mib_arg, register_subcommand
+from capuchin_tf.cli.common import SIZE_HELP, CliError, mib_arg, register_subcommand
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     from capuchin_tf.policy import POLICIES
 
     p.add_argument("--trace", required=True, help="access trace (JSON) of a measured step")
-    p.add_argument("--budget-mb", required=True, help="device memory budget in MiB (2^20 bytes)")
+    p.add_argument("--budget-mb", required=True, help=f"device memory budget: {SIZE_HELP}")
     p.add_argument(
         "--policy", default="capuchin", help=f"registered policy: {', '.join(POLICIES)} (default: capuchin)"
     )
@@ -24,14 +24,14 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         default="native",
         help="link model: native (6e9 bytes/s per direction), p100 (the trace's FLOP rate / 258), or bytes/s",
     )
-    p.add_argument("--margin-mb", default=None, help="MiB kept free for allocations the trace does not model")
+    p.add_argument("--margin-mb", default=None, help=f"kept free for allocations the trace does not model: {SIZE_HELP}")
     p.add_argument("--json", default=None, metavar="PATH", help="write the plan here (JSON)")
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    from capuchin_tf.core.access_trace import AccessTrace, TraceError
     from capuchin_tf.core.device_model import DeviceModel, DeviceModelError
     from capuchin_tf.policy import POLICIES, get_policy
-    from capuchin_tf.core.trace import AccessTrace, TraceError
 
     budget = mib_arg(args.budget_mb, "--budget-mb", positive=True)
     margin = None if args.margin_mb is None else mib_arg(args.margin_mb, "--margin-mb")

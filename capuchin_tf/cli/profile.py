@@ -16,32 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import subprocess
 import sys
-import tempfile
 import time
 
-from capuchin_tf.core.budget import fraction_budget_mb
-from capuchin_tf.cli.common import CliError, register_subcommand
-from capuchin_tf.tf.simulated_device import simulated_device_env
+from capuchin_tf.cli.common import SIZE_HELP, CliError, register_subcommand, run_worker, whole_mib
+from capuchin_tf.core.budget import MiB, fraction_budget_mb
+from capuchin_tf.tf.simulated_device import DEVICE
 
-MiB = 1 << 20
 DEFAULT_DEVICE_MB = 16384
 
 
-def run_worker(args: list[str], limit_mb: int, timeout: float | None = None) -> dict:
-    """Runs `python -m capuchin_tf profile-worker ...` in a fresh process on the simulated device; its JSON result."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = pathlib.Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "capuchin_tf", "profile-worker", *args, "--result", str(out)]
-        proc = subprocess.run(cmd, env=simulated_device_env(limit_mb), capture_output=True, text=True,
-                              timeout=timeout)
-        if not out.exists():
-            raise CliError(f"the worker process failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
-        return json.loads(out.read_text())
-
-
-# ---- the worker (runs inside the fresh process) ------------------------------------------------------------------------
+# ---- the worker (runs inside the fresh process) ----------------------------------------------------------------------
 def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["plain", "measured"], required=True)
     p.add_argument("--model", required=True)
@@ -57,8 +42,8 @@ def _run_worker(a: argparse.Namespace) -> int:
 
     import capuchin_tf  # noqa: F401  (installs the allocator wrapper before the first op)
     from capuchin_tf.cli import models
+    from capuchin_tf.runtime.errors import oom_line
     from capuchin_tf.tf import measure
-    from capuchin_tf.runtime.managed_step import oom_line
 
     result = {"mode": a.mode, "ok": True, "error": None, "losses": [], "step_s": []}
     try:
@@ -67,7 +52,7 @@ def _run_worker(a: argparse.Namespace) -> int:
         result.update(ok=False, error=f"the model does not build on this device: {oom_line(e)}")
         pathlib.Path(a.result).write_text(json.dumps(result))
         return 0
-    result["persistent_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    result["persistent_bytes"] = tf.config.experimental.get_memory_info(DEVICE)["current"]
     try:
         for i in range(a.steps):
             t0 = time.perf_counter()
@@ -78,9 +63,9 @@ def _run_worker(a: argparse.Namespace) -> int:
                     meta={"model": a.model, "batch": a.batch, "flops": flops, **setup.info})
                 trace.save(a.trace)
             else:
-                tf.config.experimental.reset_memory_stats("CPU:0")
+                tf.config.experimental.reset_memory_stats(DEVICE)
                 loss = setup.train_step(*setup.inputs)
-                result.setdefault("peaks", []).append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+                result.setdefault("peaks", []).append(tf.config.experimental.get_memory_info(DEVICE)["peak"])
             result["losses"].append(float(loss))
             result["step_s"].append(time.perf_counter() - t0)
     except tf.errors.ResourceExhaustedError as e:
@@ -90,19 +75,20 @@ def _run_worker(a: argparse.Namespace) -> int:
     return 0
 
 
-# ---- profile ----------------------------------------------------------------------------------------------------------
+# ---- profile ---------------------------------------------------------------------------------------------------------
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a model name (python -c 'from capuchin_tf import models; "
+    p.add_argument("--model", required=True, help="a model name (python -c 'from capuchin_tf.cli import models; "
                                                     "print(models.describe())')")
     p.add_argument("--batch", type=int, required=True)
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--budget-mb", type=int, help="device memory of the measured run, MiB (default: enough)")
+    budget.add_argument("--budget-mb", type=whole_mib,
+                        help=f"device memory of the measured run: {SIZE_HELP} (default: enough)")
     budget.add_argument("--transient-fraction", type=float,
                         help="budget as persistent + this fraction of the plain step's transient peak (0.5: the "
                              "protocol's 'half the transient peak'), rounded up to a MiB")
     p.add_argument("--json", required=True, help="where to write the trace")
     p.add_argument("--plot", help="where to write a PNG of the memory curve")
-    p.add_argument("--device-mb", type=int, default=DEFAULT_DEVICE_MB,
+    p.add_argument("--device-mb", type=whole_mib, default=DEFAULT_DEVICE_MB,
                    help=f"device memory of the plain run, MiB (default {DEFAULT_DEVICE_MB})")
 
 
@@ -120,7 +106,7 @@ def _run(a: argparse.Namespace) -> int:
     common = ["--model", a.model, "--batch", str(a.batch)]
     budgeted = a.budget_mb is not None or a.transient_fraction is not None
     print(f"[1/{3 if budgeted else 2}] plain TensorFlow step, {a.device_mb} MiB device ...", flush=True)
-    plain = run_worker([*common, "--mode", "plain"], a.device_mb)
+    plain = run_worker("profile-worker", [*common, "--mode", "plain"], a.device_mb)
     if not plain["ok"]:
         raise CliError(f"the plain step does not fit {a.device_mb} MiB: {plain['error']} (raise --device-mb)")
     if a.transient_fraction is not None:
@@ -133,12 +119,12 @@ def _run(a: argparse.Namespace) -> int:
     at_budget = None
     if a.budget_mb:
         print(f"[2/{steps}] plain TensorFlow step, {a.budget_mb} MiB device ...", flush=True)
-        at_budget = run_worker([*common, "--mode", "plain"], a.budget_mb)
+        at_budget = run_worker("profile-worker", [*common, "--mode", "plain"], a.budget_mb)
         print(f"  {'fits' if at_budget['ok'] else at_budget['error']}", flush=True)
     print(f"[{steps}/{steps}] measured step (passive mode), {limit} MiB device ...", flush=True)
     budget_bytes = a.budget_mb * MiB if a.budget_mb else None
     extra = ["--budget-bytes", str(budget_bytes)] if budget_bytes else []
-    measured = run_worker([*common, "--mode", "measured", "--trace", a.json, *extra], limit)
+    measured = run_worker("profile-worker", [*common, "--mode", "measured", "--trace", a.json, *extra], limit)
     if not measured["ok"]:
         print(f"the measured step failed: {measured['error']}", file=sys.stderr)
         return 1
@@ -151,7 +137,7 @@ def _run(a: argparse.Namespace) -> int:
                 plain_first_step_s=plain["step_s"][0], measured_first_step_s=measured["step_s"][0],
                 measured_overhead=measured["step_s"][0] / plain["step_s"][0] - 1.0)
     pathlib.Path(a.json).write_text(json.dumps(data))
-    from capuchin_tf.core.trace import AccessTrace
+    from capuchin_tf.core.access_trace import AccessTrace
 
     trace = AccessTrace.from_json(data)
     print(f"model {a.model}, batch {a.batch}: {len(trace.ops)} ops, {len(trace.tensors)} tensors, "
@@ -172,5 +158,5 @@ def _run(a: argparse.Namespace) -> int:
 
 register_subcommand("profile", _add_arguments, _run,
                     help="measured execution of a named model, compared with plain TensorFlow")
-register_subcommand("profile-worker", _add_worker_arguments, _run_worker,
+register_subcommand("profile-worker", _add_worker_arguments, _run_worker, hidden=True,
                     help="(internal) one run of `profile` in a fresh process")

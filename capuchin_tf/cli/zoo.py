@@ -15,8 +15,8 @@ here; the quick and standard tiers keep their own names), so the `bench` worker 
 4. the same on a device of twice the budget.
 
 Each run is classified (`classify`): `guided`, `refused`, `floor`, `fragmented`, `no-build`, `mismatch`, `crash`,
-`over-budget`, or `partial` (bit for bit and under the budget, but not every step after the measured one guided). The JSON is written after each
-case; the markdown table replaces the part of --markdown between the two `zoo-table` markers.
+`over-budget`, or `partial` (bit for bit and under the budget, but not every step after the measured one guided). The
+JSON is written after each case; the markdown table replaces the part of --markdown between the two `zoo-table` markers.
 
 The case definitions import TensorFlow and Keras only when a case is built, and never capuchin_tf's op library (as
 `models`); the classification and the table are pure Python.
@@ -32,11 +32,13 @@ import os
 import pathlib
 import re
 import statistics
-import subprocess
 import tempfile
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-MiB = 1 << 20
+from capuchin_tf.cli.common import git_commit, machine
+from capuchin_tf.core.budget import MiB
+
 PREFIX = "zoo/"
 PLAIN_DEVICE_MB = 16384  # the plain run's device (16 GiB): enough for every case
 OUTCOMES = ("guided", "refused", "partial", "floor", "fragmented", "no-build", "over-budget", "crash", "mismatch")
@@ -531,7 +533,9 @@ def _mixed_bfloat16(batch: int, seed: int) -> _Spec:
     return _standard(model, keras.optimizers.Adam(1e-3), _mlp_data(batch, seed), loss_fn)
 
 
-def _clip_global_norm(batch: int, seed: int) -> _Spec:
+def _mlp_momentum():
+    """The MLP, SGD with momentum built on its trainable variables, and its loss and gradients for a batch: the start
+    of the cases whose step does something of its own with the gradients."""
     import keras
     import tensorflow as tf
 
@@ -540,10 +544,21 @@ def _clip_global_norm(batch: int, seed: int) -> _Spec:
     trainable = list(model.trainable_variables)
     optimizer.build(trainable)
 
-    def step(x, labels):
+    def gradients(x, labels):
         with tf.GradientTape() as tape:
             loss = _ce(labels, model(x, training=True))
-        grads = tape.gradient(loss, trainable)
+        return loss, tape.gradient(loss, trainable)
+
+    return model, optimizer, trainable, gradients
+
+
+def _clip_global_norm(batch: int, seed: int) -> _Spec:
+    import tensorflow as tf
+
+    model, optimizer, trainable, gradients = _mlp_momentum()
+
+    def step(x, labels):
+        loss, grads = gradients(x, labels)
         grads, _ = tf.clip_by_global_norm(grads, 0.5)
         optimizer.apply_gradients(zip(grads, trainable))
         return loss
@@ -673,18 +688,12 @@ def _cnn_dropout(batch: int, seed: int) -> _Spec:
 
 
 def _finite_guard(batch: int, seed: int) -> _Spec:
-    import keras
     import tensorflow as tf
 
-    model = _mlp_net()
-    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
-    trainable = list(model.trainable_variables)
-    optimizer.build(trainable)
+    model, optimizer, trainable, gradients = _mlp_momentum()
 
     def step(x, labels):
-        with tf.GradientTape() as tape:
-            loss = _ce(labels, model(x, training=True))
-        grads = tape.gradient(loss, trainable)
+        loss, grads = gradients(x, labels)
 
         def apply():
             optimizer.apply_gradients(zip(grads, trainable))
@@ -759,8 +768,8 @@ def refusal_warnings(run: dict) -> list[str]:
     return sorted(warned, key=lambda w: "plain TensorFlow" not in w)
 
 
-# What capuchin_tf says when the budget is below what the step can ever need (runtime.BudgetError, before anything
-# runs or after the measured step's two runs).
+# What capuchin_tf says when the budget is below what the step can ever need (runtime.errors.BudgetError, before
+# anything runs or after the measured step's two runs).
 _FLOOR_MESSAGES = ("is below what this step needs at once",)
 # What it says when the measured step failed with enough bytes free but not in one piece (on a device of exactly the
 # budget's size), and what the worker says when the model cannot even be built on the device.
@@ -954,32 +963,18 @@ RUN_KEYS = ("ok", "error", "error_type", "capuchin_error", "capuchin_warnings", 
             "fallback_reason", "wall_s", "error_traceback")
 
 
-def git_commit(repo: str | pathlib.Path | None = None) -> str:
-    """`git rev-parse HEAD`, with "-dirty" when tracked files changed; "unknown" outside a git work tree."""
-    cwd = pathlib.Path(repo or pathlib.Path(__file__).resolve().parents[1])
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=30,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("-dirty" if dirty else "")
-
-
 def _worker(case: Case, policy: str, budget_mb: int, device_mb: int, steps: int, timeout: float | None,
             link: str = "native", extra: Sequence[str] = ()) -> dict:
     """One `bench-worker` run in a fresh process; never raises for a failed run (the error is in the result)."""
     import time
 
-    from capuchin_tf.cli.bench import run_worker
-    from capuchin_tf.cli.common import CliError
+    from capuchin_tf.cli.common import CliError, run_worker
 
     args = ["--model", case.name, "--batch", str(case.batch), "--budget-mb", str(budget_mb), "--device-mb",
             str(device_mb), "--policy", policy, "--link", link, "--steps", str(steps), "--record-errors", *extra]
     t0 = time.perf_counter()
     try:
-        r = run_worker(args, device_mb, timeout=timeout)
+        r = run_worker("bench-worker", args, device_mb, timeout=timeout)
     except CliError as e:  # the process died or timed out: no result file
         text = str(e)
         lines = [ln for ln in text.splitlines() if ln.strip()]
@@ -1054,10 +1049,9 @@ def run_zoo(cases: list[Case], steps: int, fraction: float, json_path: str | Non
     import platform
     import time
 
-    from capuchin_tf.cli.bench import _machine
 
     data = {"kind": "capuchin_tf zoo", "schema_version": 1, "commit": git_commit(),
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": _machine(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
             "tf_version": _tf_version(), "python": platform.python_version(), "steps": steps, "fraction": fraction,
             "timeout_s": timeout, "link": "native", "plain_device_mb": PLAIN_DEVICE_MB, "arguments": arguments,
             "cases": []}

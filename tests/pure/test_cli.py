@@ -1,5 +1,6 @@
 """``python -m capuchin_tf plan``: summary, plan file, clear errors."""
 
+import argparse
 import dataclasses
 import json
 import os
@@ -9,7 +10,6 @@ import sys
 import pytest
 
 from capuchin_tf.cli import common, main
-
 from capuchin_tf.core import synthetic
 
 MiB = 1 << 20
@@ -62,9 +62,9 @@ def test_bad_input_gives_one_clear_error(trace_file, capsys, tmp_path):
     code, _, err = run(capsys, "plan", "--trace", str(tmp_path / "missing.json"), "--budget-mb", "10")
     assert code == 2 and "trace file not found" in err
     code, _, err = run(capsys, "plan", "--trace", str(path), "--budget-mb", "-5")
-    assert code == 2 and "positive number of MiB" in err
+    assert code == 2 and "positive size" in err
     code, _, err = run(capsys, "plan", "--trace", str(path), "--budget-mb", "lots")
-    assert code == 2 and "number of MiB" in err
+    assert code == 2 and "MiB, or a size with its unit" in err
     code, _, err = run(capsys, "plan", "--trace", str(path), "--budget-mb", "10", "--policy", "vdnn")
     assert code == 2 and "unknown policy 'vdnn'" in err and "capuchin" in err and "checkpoint" in err
     code, _, err = run(capsys, "plan", "--trace", str(path), "--budget-mb", "10", "--link", "warp")
@@ -211,13 +211,13 @@ def test_unreadable_trace_files_are_one_line_errors(trace_file, capsys, tmp_path
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["--budget-mb", "0"], "--budget-mb must be a positive number of MiB, got '0'"),
-    (["--budget-mb", "-5"], "--budget-mb must be a positive number of MiB, got '-5'"),
-    (["--budget-mb", "1e-12"], "--budget-mb must be a positive number of MiB"),
-    (["--budget-mb", "nan"], "--budget-mb must be a positive number of MiB"),
-    (["--budget-mb", "inf"], "--budget-mb must be a positive number of MiB"),
-    (["--budget-mb", "lots"], "--budget-mb must be a number of MiB, got 'lots'"),
-    (["--budget-mb", "30", "--margin-mb", "-1"], "--margin-mb must be a non-negative number of MiB"),
+    (["--budget-mb", "0"], "--budget-mb must be a positive size, got '0'"),
+    (["--budget-mb", "-5"], "--budget-mb must be a positive size, got '-5'"),
+    (["--budget-mb", "1e-12"], "--budget-mb must be a positive size"),
+    (["--budget-mb", "nan"], "--budget-mb must be a positive size"),
+    (["--budget-mb", "inf"], "--budget-mb must be a positive size"),
+    (["--budget-mb", "lots"], "--budget-mb must be MiB, or a size with its unit (2GiB, 512MiB), got 'lots'"),
+    (["--budget-mb", "30", "--margin-mb", "-1"], "--margin-mb must be a non-negative size"),
     (["--budget-mb", "30", "--policy", "vdnn"], "unknown policy 'vdnn'"),
     (["--budget-mb", "30", "--link", "warp"], "unknown link 'warp'"),
     (["--budget-mb", "30", "--link", "0"], "link bandwidth must be a positive number of bytes/s"),
@@ -242,3 +242,29 @@ def test_python_dash_m_reports_a_malformed_trace_in_one_line(trace_file, tmp_pat
                           capture_output=True, text=True, env=env, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, expected)
+
+
+def test_every_size_on_the_command_line_takes_the_decorators_syntax_too(trace_file, capsys):
+    """One syntax: `--budget-mb 45` and `--budget-mb 45MiB` are the same budget; `0.5GiB` is 512 MiB."""
+    path, _ = trace_file
+    outs = []
+    for text in ("45", "45MiB", "46080KiB"):
+        code, out, err = run(capsys, "plan", "--trace", str(path), "--budget-mb", text, "--policy", "tf")
+        assert code == 0, err
+        outs.append(out)
+    assert outs[0] == outs[1] == outs[2]
+    from capuchin_tf.cli.common import whole_mib
+
+    assert whole_mib("0.5GiB") == 512 and whole_mib("300") == 300
+    with pytest.raises(argparse.ArgumentTypeError, match="whole number of MiB"):
+        whole_mib("1.5MiB")
+
+
+def test_the_worker_subcommands_are_not_listed(capsys):
+    from capuchin_tf.cli.main import build_parser, main as run_main
+
+    assert run_main([]) == 2
+    listed = capsys.readouterr().err
+    assert "bench-worker" not in listed and "profile-worker" not in listed and "SUPPRESS" not in listed
+    assert "plan" in listed and "bench" in listed
+    assert build_parser() is not None
