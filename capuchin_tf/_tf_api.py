@@ -8,6 +8,10 @@ from capuchin_tf.tf import loader
 
 loader.load()
 
+from capuchin_tf.frontend.decorator import function  # noqa: E402
+from capuchin_tf.frontend.keras_callback import CapuchinCallback  # noqa: E402
+from capuchin_tf.runtime.errors import BudgetError, CapuchinError  # noqa: E402
+from capuchin_tf.runtime.managed_step import ManagedStep  # noqa: E402
 from capuchin_tf.tf import ops  # noqa: E402  (needs the library loaded above)
 from capuchin_tf.tf.ops import (  # noqa: E402
     HandleStatus,
@@ -23,10 +27,6 @@ from capuchin_tf.tf.ops import (  # noqa: E402
     swap_in,
     swap_out,
 )
-
-from capuchin_tf.frontend.decorator import function  # noqa: E402
-from capuchin_tf.frontend.keras_callback import CapuchinCallback  # noqa: E402
-from capuchin_tf.runtime.managed_step import BudgetError, CapuchinError, ManagedStep  # noqa: E402
 
 __all__ = [
     "BudgetError",

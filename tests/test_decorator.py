@@ -47,8 +47,8 @@ def test_xla_steps_and_keyword_calls_are_refused():
 
 
 def test_a_budget_string_is_parsed_and_the_default_is_the_device_limit():
-    assert capuchin_tf.function(lambda x: x, memory_budget="1.5GiB").budget_bytes == 3 * 512 * MiB
-    assert capuchin_tf.function(lambda x: x).budget_bytes == int(capuchin_tf.allocator_stats()["bytes_limit"])
+    assert capuchin_tf.function(lambda x: x, memory_budget="1.5GiB").options.budget_bytes == 3 * 512 * MiB
+    assert capuchin_tf.function(lambda x: x).options.budget_bytes == int(capuchin_tf.allocator_stats()["bytes_limit"])
 
 
 def test_nothing_to_save_runs_the_plain_step_bit_for_bit():
@@ -230,9 +230,9 @@ def _fake_snapshot(log):
 def test_a_measured_step_that_runs_out_of_memory_twice_restores_raises_and_is_measured_again_next_time(monkeypatch):
     # Out of memory in the measured step: what it may have written is restored, it runs once more, and a second
     # failure raises BudgetError with the variables as they were; the signature is not left marked: the next call
-    # measures again (a review finding: a failed first call once made every later call run plain TensorFlow).
-    from capuchin_tf.tf import measure
+    # measures again (a failed first call must not make every later call run plain TensorFlow).
     from capuchin_tf.runtime import managed_step
+    from capuchin_tf.tf import measure
 
     v = tf.Variable(1.0)
 
@@ -245,11 +245,11 @@ def test_a_measured_step_that_runs_out_of_memory_twice_restores_raises_and_is_me
     runs, log = [], []
     oom = tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[640,8192]")
 
-    def measure(fn, args, **kwargs):
+    def failing_measure(fn, args, **kwargs):
         runs.append(1)
         raise oom
 
-    monkeypatch.setattr(measure, "measure_step", measure)
+    monkeypatch.setattr(measure, "measure_step", failing_measure)
     real_prepare = step._prepare
 
     def prepare(state, args):
@@ -268,8 +268,8 @@ def test_a_measured_step_that_runs_out_of_memory_twice_restores_raises_and_is_me
 
 
 def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_one_that_failed(monkeypatch):
-    # The policies are greedy: a plan for a tighter budget can be predicted higher than the plan that failed (seen on
-    # dropout-bn at 106 MiB: 134.6 MiB predicted for 100.7 MiB after 105.1 MiB for 106). Plans are stood in for by
+    # The policies are greedy: a plan for a tighter budget can be predicted higher than the plan that failed
+    # (docs/decisions.md, "Out of memory in a guided step: tighten, never upward, ..."). Plans are stood in for by
     # (feasible, predicted peak) as a function of the budget; `_install` records what would be rewritten.
     from types import SimpleNamespace
 
@@ -319,14 +319,13 @@ def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_on
 
 def test_a_passive_rescue_that_runs_out_of_memory_runs_once_more_after_restoring_the_variables(monkeypatch):
     # Where a passive run fails depends on BFC fragmentation: like the measured step, the rescue gets one more run;
-    # every failed run has what it may have written restored first, the last one too, before the error is raised (a
-    # review finding: the last rescue raised before restoring).
+    # every failed run has what it may have written restored first, the last one too, before the error is raised.
     from types import SimpleNamespace
 
-    from capuchin_tf.runtime import recovery, managed_step
-
-    from capuchin_tf.tf import rewrite
     from tensorflow.core.framework import graph_pb2
+
+    from capuchin_tf.runtime import managed_step, recovery
+    from capuchin_tf.tf import function_surgery
 
     step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
     runs, log = [], []
@@ -338,7 +337,7 @@ def test_a_passive_rescue_that_runs_out_of_memory_runs_once_more_after_restoring
             raise oom
         return "outputs"
 
-    monkeypatch.setattr(rewrite, "call_without_grappler", call)
+    monkeypatch.setattr(function_surgery, "call_without_grappler", call)
     for fails, ok in [(1, True), (2, False)]:
         log.clear(), runs.clear()
         state = managed_step.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
@@ -359,10 +358,10 @@ def test_a_passive_rescue_that_fails_for_split_memory_says_so(monkeypatch):
     # error is a BudgetError that says so (the zoo's `fragmented`), not the general "even in passive mode" error.
     from types import SimpleNamespace
 
-    from capuchin_tf.tf import ops, rewrite
-
-    from capuchin_tf.runtime import recovery, managed_step
     from tensorflow.core.framework import graph_pb2
+
+    from capuchin_tf.runtime import managed_step, recovery
+    from capuchin_tf.tf import function_surgery, ops
 
     step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
     oom = tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[640,8192]")
@@ -379,7 +378,7 @@ def test_a_passive_rescue_that_fails_for_split_memory_says_so(monkeypatch):
                 "refused_largest_free": 12 * MiB, "refused_op": "conv_grad", "refused_store_shared": 0,
                 "refused_store_idle": 0, "bytes_limit": 256 * MiB}
 
-    monkeypatch.setattr(rewrite, "call_without_grappler", call)
+    monkeypatch.setattr(function_surgery, "call_without_grappler", call)
     monkeypatch.setattr(ops, "allocator_stats", stats)
     state = managed_step.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
                                    passive_fn="passive step", passive_def=graph_pb2.GraphDef(),
@@ -392,11 +391,10 @@ def test_a_passive_rescue_that_fails_for_split_memory_says_so(monkeypatch):
 def test_what_a_failed_attempt_may_have_written_is_what_does_not_depend_on_the_failing_op():
     # recovery.state_writes finds every write of the optimized graph (here two variable updates and a random
     # generator's state); possibly_written keeps those that do not depend on the failing node, and a Snapshot
-    # assigns exactly those back. Seen on the transformer: restoring every written variable moved its 4 MiB
-    # embedding table and Adam slots (fresh device buffers wherever BFC had room) although only the dropout seed
-    # generators had been written.
-    from capuchin_tf.tf import capture
+    # assigns exactly those back. Restoring every written variable would move variables the failed attempt never
+    # wrote (an embedding table, Adam slots) to fresh device buffers wherever BFC has room.
     from capuchin_tf.runtime import recovery
+    from capuchin_tf.tf import capture
 
     first, second = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
     gen = tf.random.Generator.from_seed(1)
@@ -445,9 +443,8 @@ def test_a_guided_step_that_no_tighter_plan_rescues_goes_back_to_the_last_plan_t
     # write restores nothing; one after a write restores what it may have written.
     from types import SimpleNamespace
 
-    from capuchin_tf.runtime import recovery, managed_step
-
-    from capuchin_tf.tf import rewrite
+    from capuchin_tf.runtime import managed_step, recovery
+    from capuchin_tf.tf import function_surgery
 
     step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
     plan_a = SimpleNamespace(name="A", swapped_bytes=1, recomputed_bytes=0, feasible=True)
@@ -466,7 +463,7 @@ def test_a_guided_step_that_no_tighter_plan_rescues_goes_back_to_the_last_plan_t
             raise oom
         return "outputs"
 
-    monkeypatch.setattr(rewrite, "call_without_grappler", call)
+    monkeypatch.setattr(function_surgery, "call_without_grappler", call)
     monkeypatch.setattr(recovery, "possibly_written", lambda graph_def, writes, node: written)
     monkeypatch.setattr(step, "_tighten", lambda state, args, reason: False)
     assert step._guided(state, ()) == "outputs"

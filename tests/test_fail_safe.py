@@ -1,6 +1,5 @@
-"""Same numbers or a clear refusal: the review findings of the issue "Any training step, exactly" about what happens
-when something goes wrong, each with a small step in this process (device of 4 GiB, budgets below it are enforced by
-the allocator)."""
+"""Same numbers or a clear refusal: what happens when something goes wrong, each case with a small step in this
+process (device of 4 GiB, budgets below it are enforced by the allocator)."""
 
 import hashlib
 import threading
@@ -161,8 +160,8 @@ def test_a_step_that_writes_state_capuchin_cannot_restore_is_refused_before_it_r
 
 
 def test_decisions_are_per_input_shape_and_bounded():
-    # An input signature with open dimensions is one concrete function for every batch size; the review found a
-    # batch-16 decision reused at batch 4096. Each shape is measured and planned on its own, at most max_signatures
+    # An input signature with open dimensions is one concrete function for every batch size; a batch-16 decision
+    # must not be reused at batch 4096. Each shape is measured and planned on its own, at most max_signatures
     # of them (the least recently used goes, with one warning).
     v = tf.Variable(tf.ones([32, 32]))
 
@@ -184,7 +183,7 @@ def test_decisions_are_per_input_shape_and_bounded():
 
 
 def test_the_plan_cache_key_covers_shapes_attributes_variables_and_versions():
-    from capuchin_tf.runtime.managed_step import SignatureState
+    from capuchin_tf.runtime.signature import SignatureState
 
     def make(n):
         v = tf.Variable(tf.ones([n, n]), name="w")
@@ -240,7 +239,8 @@ def test_two_threads_running_managed_steps_each_get_their_own_measurement_and_pl
 def test_a_budget_below_what_the_step_needs_at_once_names_what_was_in_use():
     # A float16 MatMul on the CPU converts its inputs and output to float32 inside the kernel (Eigen): about 10 MiB of
     # temporaries no graph shows (2 MiB, then 6.12 MiB for x), so the working-set floor passes and the measured step
-    # runs out of memory in both its runs. The error splits what was in use into the persistent state, the pool's tensors and what capuchin_tf does
+    # runs out of memory in both its runs. The error splits what was in use into the persistent state, the pool's
+    # tensors and what capuchin_tf does
     # not manage (here those temporaries), and the variable is as it was.
     w = tf.Variable(tf.cast(tf.random.stateless_normal([784, 512], seed=[1, 2]), tf.float16))
     x = tf.cast(tf.random.stateless_normal([2048, 784], seed=[3, 4]), tf.float16)

@@ -1,4 +1,5 @@
-"""CapuchinCallback (capuchin_tf/keras_callback.py): Keras `model.fit` trains every batch through a ManagedStep, gives
+"""CapuchinCallback (capuchin_tf/frontend/keras_callback.py): Keras `model.fit` trains every batch through a
+ManagedStep, gives
 the same bits as a plain fit, refuses what it cannot manage, and fits a model under a limit plain Keras cannot."""
 
 import concurrent.futures

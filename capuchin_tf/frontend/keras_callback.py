@@ -9,8 +9,8 @@
 
 For the duration of `fit`, the callback replaces `model.train_function` (what `fit` calls once per batch with its
 data iterator) by one that takes the next batch and runs `model.train_step` on it through a
-`capuchin_tf.runtime.managed_step.ManagedStep`: per input signature, the first batch is the measured execution and the next ones
-are guided (managed_step.py); every batch shape is an input signature (a partial last batch is measured once too). The
+`ManagedStep` (capuchin_tf/runtime/managed_step.py): per input signature, the first batch is the measured execution
+and the next ones are guided; every batch shape is an input signature (a partial last batch is measured once too). The
 batch is flattened to positional tensors (composite tensors to their components); each batch structure gets its own
 `tf.function` and ManagedStep, which keep their plans across `fit` calls on the same model. Only training is
 managed: `evaluate`, `predict` and the validation of `fit` run as plain TensorFlow. The model's own train function
@@ -24,15 +24,15 @@ run under XLA), `run_eagerly=False`, and at most one replica.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import keras
 import tensorflow as tf
 
 from capuchin_tf.frontend import decorator
-
-from capuchin_tf.runtime import managed_step
 from capuchin_tf.runtime.managed_step import ManagedStep
+from capuchin_tf.runtime.options import MAX_SIGNATURES
 
 
 class CapuchinCallback(keras.callbacks.Callback):
@@ -48,14 +48,13 @@ class CapuchinCallback(keras.callbacks.Callback):
     def __init__(self, memory_budget: int | float | str | None = None, policy: str = "capuchin",
                  link: str | float = "native", policy_options: Mapping[str, Any] | None = None,
                  plan_cache: str | os.PathLike | None = None, feedback: bool = True, max_replans: int = 20,
-                 settle_steps: int = 10, strict: bool = False, max_signatures: int = managed_step.MAX_SIGNATURES,
+                 settle_steps: int = 10, strict: bool = False, max_signatures: int = MAX_SIGNATURES,
                  verbose: bool = False):
         super().__init__()
-        decorator._check(memory_budget, policy, link, policy_options, plan_cache, feedback, max_replans,
-                         settle_steps, strict, max_signatures)
-        self._options = dict(memory_budget=memory_budget, policy=policy, link=link, policy_options=policy_options,
-                             plan_cache=plan_cache, feedback=feedback, max_replans=max_replans,
-                             settle_steps=settle_steps, strict=strict, max_signatures=max_signatures, verbose=verbose)
+        self.options = decorator.make_options(
+            memory_budget, policy=policy, link=link, policy_options={} if policy_options is None else policy_options,
+            plan_cache=plan_cache, feedback=feedback, max_replans=max_replans, settle_steps=settle_steps,
+            strict=strict, max_signatures=max_signatures, verbose=verbose)
         self._steps: dict[str, ManagedStep] = {}  # batch structure (repr of its template) -> its step
         self._steps_model: keras.Model | None = None  # the model the steps train
         self._original: Callable | None = None  # the model's own train_function, restored at the end of training
@@ -126,7 +125,7 @@ class CapuchinCallback(keras.callbacks.Callback):
             return model.distribute_strategy.run(model.train_step, args=(data,))
 
         # autograph=False: Keras does not convert train_step either (its step function is `do_not_convert`).
-        return decorator.function(tf.function(one_step, autograph=False, jit_compile=False), **self._options)
+        return decorator.wrap_step(tf.function(one_step, autograph=False, jit_compile=False), self.options)
 
 
 def _as_tensor(value):

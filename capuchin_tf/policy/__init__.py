@@ -12,29 +12,43 @@ simulated (simulator.py). Registered names (benchmarks.md):
 | ``recompute-only`` | Capuchin's recomputation half alone (Algorithm 2) |
 | ``capuchin`` | Capuchin's hybrid policy (Algorithm 1) |
 
-``register_policy`` adds one (a name is a plain string; no enums).
+``register_policy`` adds one (a name is a plain string). A policy also declares what the runtime needs to know of
+it, so that the runtime names no policy: whether guided steps keep passive mode's pool as a safety net (Capuchin's
+policies: what the plan did not foresee is evicted on demand; the baselines run their plans alone, so that their
+largest batch is their plan's) and the options the runtime plans with by default (docs/policy.md, "fallback").
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
 
+from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.core.plan import Plan
 from capuchin_tf.policy.baselines import plan_checkpoint, plan_swap_all, plan_tf
 from capuchin_tf.policy.hybrid import plan_capuchin, plan_recompute_only, plan_swap_only
-from capuchin_tf.core.trace import AccessTrace
 
 PolicyFn = Callable[..., Plan]
 
-POLICIES: dict[str, PolicyFn] = {
-    "tf": plan_tf,
-    "swap-all": plan_swap_all,
-    "checkpoint": plan_checkpoint,
-    "swap-only": plan_swap_only,
-    "recompute-only": plan_recompute_only,
-    "capuchin": plan_capuchin,
-}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A registered policy: call it like its planning function."""
+
+    name: str
+    plan: PolicyFn
+    safety_net: bool = False  # guided steps keep passive mode's pool and evict on demand what the plan missed
+    runtime_options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+
+    def __call__(self, *args, **kwargs) -> Plan:
+        return self.plan(*args, **kwargs)
+
+
+POLICIES: dict[str, Policy] = {}
 
 
 class UnknownPolicyError(KeyError):
@@ -44,15 +58,29 @@ class UnknownPolicyError(KeyError):
         return str(self.args[0])
 
 
-def register_policy(name: str, fn: PolicyFn, *, replace: bool = False) -> None:
+def register_policy(name: str, fn: PolicyFn, *, safety_net: bool = False,
+                    runtime_options: Mapping[str, Any] | None = None, replace: bool = False) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError("a policy name is a non-empty string")
     if name in POLICIES and not replace:
         raise ValueError(f"policy {name!r} is already registered")
-    POLICIES[name] = fn
+    if isinstance(fn, Policy):
+        fn = fn.plan
+    POLICIES[name] = Policy(name, fn, safety_net, types.MappingProxyType(dict(runtime_options or {})))
 
 
-def get_policy(name: str) -> PolicyFn:
+register_policy("tf", plan_tf)
+register_policy("swap-all", plan_swap_all)
+register_policy("checkpoint", plan_checkpoint)
+register_policy("swap-only", plan_swap_only, safety_net=True)
+register_policy("recompute-only", plan_recompute_only, safety_net=True)
+# A step must run a plan that fits: when the hybrid greedy paints itself into a corner and one of its halves fits,
+# that half's plan runs (docs/policy.md, "fallback"); the policy benchmarks call plan_capuchin without it, so that they
+# compare the paper's algorithm as it is.
+register_policy("capuchin", plan_capuchin, safety_net=True, runtime_options={"fallback": True})
+
+
+def get_policy(name: str) -> Policy:
     try:
         return POLICIES[name]
     except KeyError:
@@ -77,6 +105,7 @@ def make_plan(
 
 __all__ = [
     "POLICIES",
+    "Policy",
     "PolicyFn",
     "UnknownPolicyError",
     "get_policy",

@@ -6,10 +6,10 @@ with a warning). The first call of a signature is the measured execution (measur
 passive mode under the budget); its trace and the budget give a plan (policy.make_plan); the plan is applied to the
 step's optimized graph (rewrite.apply_plan) and every later call runs that guided step. After each guided step the
 runtime reads what the host store saw (which swap-ins waited for their copy and how long, the allocator's peak) and
-adjusts the plan (capuchin_tf.policy.feedback): a late prefetch moves that tensor's in-trigger earlier by 5% of its swap time
-(the paper) or by its wait, if longer; a prefetch evicted again before its use moves it later; a peak over the budget
-re-plans for a tighter budget (beyond the paper). The step is re-rewritten only when the plan changed, at most once
-per step and at most `max_replans` times; it is settled after `settle_steps` steps without a change. The emulated
+adjusts the plan (capuchin_tf.policy.feedback): a late prefetch moves that tensor's in-trigger earlier by 5% of its swap
+time (the paper) or by its wait, if longer; a prefetch evicted again before its use moves it later; a peak over the
+budget re-plans for a tighter budget (beyond the paper). The step is re-rewritten only when the plan changed, at most
+once per step and at most `max_replans` times; it is settled after `settle_steps` steps without a change. The emulated
 link (p100) follows the speed the guided steps compute at.
 
 The budget holds: while a managed step runs, the device allocator enforces `budget_bytes` when it is below the
@@ -50,144 +50,39 @@ import dataclasses
 import threading
 import time
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
 
 import tensorflow as tf
 
 from capuchin_tf import _version
-
-from capuchin_tf.tf import capture, ops, measure, rewrite
-
-from capuchin_tf.runtime import recovery
+from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.budget import format_bytes
-from capuchin_tf.core.device_model import DeviceModel
-from capuchin_tf.policy.feedback import move_triggers
-from capuchin_tf.core.graph_model import fold_views, split_tensor_id, working_set_floor
+from capuchin_tf.core.device_model import DeviceModel, link_is_emulated, link_needs_flops
+from capuchin_tf.core.graph_model import fold_views, shape_of, split_tensor_id, working_set_floor
 from capuchin_tf.core.plan import Plan
+from capuchin_tf.core.stalls import summarize as summarize_stalls
+from capuchin_tf.policy import POLICIES, make_plan
+from capuchin_tf.policy.feedback import move_triggers
 from capuchin_tf.policy.plan_cache import CacheKey, PlanCache
-from capuchin_tf.policy import make_plan
-from capuchin_tf.core.trace import AccessTrace
+from capuchin_tf.runtime import recovery
+from capuchin_tf.runtime.errors import BudgetError, CapuchinError, Refusal, in_use_breakdown, oom_line
+from capuchin_tf.runtime.options import Options
+from capuchin_tf.runtime.signature import SignatureState, StepRecord, signature_key
+from capuchin_tf.tf import capture, function_surgery, measure, ops, rewrite
+from capuchin_tf.tf.simulated_device import DEVICE
 
-DEVICE = "CPU:0"
 TIGHTEN = 0.95  # a guided step over budget, or out of memory, re-plans for this fraction of the budget in use
 TIGHTEN_PROBES = 3  # if no plan fits that budget: plans bisecting toward the current one (ManagedStep._tighten)
 # The plain step runs unrewritten when the measured step evicted nothing and peaked under this fraction of the budget
-# (the plain executor's own order can peak higher than the measured one: 77 against 68 MiB on the cnn at batch 32).
+# (the plain executor's own order can peak higher than the measured one; docs/decisions.md, "Nothing to save").
 NOTHING_TO_SAVE = 0.85
-CAPUCHIN_POLICIES = frozenset({"capuchin", "swap-only", "recompute-only"})
 MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, after an out-of-memory error
 # Late prefetches re-plan only when their waits add up to this fraction of the step's time (ManagedStep._adjust).
 LATE_REPLAN_FRACTION = 0.05
-MAX_SIGNATURES = 8  # input signatures kept per step (each has its own measurement, plan and rewritten graph)
 
 # One managed step at a time in a process: the profiler, the allocator's passive mode and budget, the host store's
 # link emulation and stall log are process-wide.
 _PROCESS_LOCK = threading.RLock()
-
-
-def oom_line(error: Exception) -> str:
-    """The line of an error's message that says what could not be allocated (else its first line), at most 300
-    characters: what the CLIs and CapuchinError quote."""
-    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()] or [""]
-    return next((ln for ln in lines if "OOM when allocating" in ln), lines[0])[:300]
-
-
-def in_use_breakdown(in_use: int, start_bytes: int, stats: Mapping) -> str:
-    """What the device's `in_use` bytes at an allocation's refusal were: the persistent state in use when the step
-    started, the tensors of capuchin_tf's pool that ops running or waiting to run held, those only the pool held (it
-    could have evicted them: they were not where the allocation needed room), and the rest: what capuchin_tf does not
-    manage (op temporaries and workspaces, tensors of cond branches and loop bodies, tensors it did not pool, copies
-    of variables an update made)."""
-    persistent = min(start_bytes, in_use)
-    # A pooled tensor can be counted twice: in the small-tensor pool's region (persistent state once the pool is taken)
-    # or as a view of an input of the step. So the pool's share is never more than what is left after the persistent
-    # state: the pool's share is an upper bound, what capuchin_tf does not manage a lower one.
-    shared = min(stats.get("refused_store_shared", 0), in_use - persistent)
-    idle = min(stats.get("refused_store_idle", 0), in_use - persistent - shared)
-    other = in_use - persistent - shared - idle
-    parts = [f"{format_bytes(persistent)} persistent state (variables, optimizer slots, the step's inputs)",
-             f"{format_bytes(shared)} of pooled tensors that running or waiting ops held"]
-    if idle:
-        parts.append(f"{format_bytes(idle)} of pooled tensors elsewhere on the device")
-    parts.append(f"{format_bytes(other)} that capuchin_tf does not manage (op temporaries and workspaces, tensors of "
-                 "cond branches and loop bodies, tensors it did not pool)")
-    return ", ".join(parts)
-
-
-class CapuchinError(RuntimeError):
-    """A managed step failed in a way capuchin_tf cannot recover from, or (strict) a step it cannot manage; the
-    message says what, and whether anything was written."""
-
-
-class BudgetError(CapuchinError):
-    """The memory budget is below what the step can ever need (raised before anything runs), or the measured step
-    could not complete under it (raised with the variables as they were)."""
-
-
-class _Refusal(Exception):
-    """Why capuchin_tf does not manage a signature (internal: ManagedStep._refuse turns it into one warning)."""
-
-
-@dataclasses.dataclass
-class StepRecord:
-    """One call of a managed step."""
-
-    phase: str  # "measured", "guided", "plain", "passive" (a guided step that ran out of memory, rerun in passive mode)
-    seconds: float
-    peak_bytes: int
-    late_prefetches: int = 0
-    late_wait_s: float = 0.0  # total time swap-ins waited for their copies
-    plan_changed: bool = False
-    retried: int = 0
-    evictions: int = 0  # prefetched tensors evicted again by the safety net (passive mode during guided steps)
-    passive_evictions: int = 0  # pooled tensors the safety net evicted on demand (what the plan did not save)
-    passive_evicted_bytes: int = 0
-    planned_bytes: int = 0  # bytes the plan this step ran saved (swapped + recomputed)
-
-
-@dataclasses.dataclass
-class SignatureState:
-    """Everything capuchin_tf keeps for one input signature of the step."""
-
-    concrete: Any
-    key: str = ""
-    trace: AccessTrace | None = None
-    plan: Plan | None = None
-    plan_budget: int = 0  # the budget the current plan was made for (tightened after failures)
-    fn: Any = None  # the guided ConcreteFunction; None: run the plain step
-    guided_def: Any = None  # the GraphDef `fn` runs
-    optimized: Any = None  # the optimized GraphDef the plan is applied to
-    shaped: Any = None  # the optimized graph imported with the call's shapes (static shapes of every tensor)
-    tensor_info: dict = dataclasses.field(default_factory=dict)  # tensor id -> (dtype name, shape)
-    writes: recovery.StateWrites | None = None  # what the step writes
-    snapshot: recovery.Snapshot | None = None  # host copies of it
-    floor_bytes: int = 0  # persistent bytes + the working-set floor (graph_model.working_set_floor)
-    floor_op: str = ""
-    start_bytes: int = 0  # the device's bytes in use when the measured step started (persistent state)
-    history: list = dataclasses.field(default_factory=list)  # StepRecord per call
-    replans: int = 0
-    steps_since_change: int = 0
-    fallback_reason: str | None = None  # set: capuchin_tf refused the signature, which runs as plain TensorFlow
-    from_cache: bool = False
-    passive_fn: Any = None  # the step with passive mode's tensor pool (the last resort after repeated OOM)
-    passive_only: bool = False  # no plan fits: every step runs in passive mode, as the measured one
-    passive_def: Any = None
-    # How much faster guided steps compute than the measured step's trace says: trace step time over the fastest
-    # guided step's time without its waits for copies (recomputation included, so an underestimate).
-    speedup: float = 1.0
-    protected_steps: int = 0  # guided steps left that run with a host snapshot of `written` (after a plan change)
-    untightenable_at: int = 0  # a plan budget for which no tighter plan was found (not searched again)
-    # The plan of the last guided step that completed (after retries or not): (plan, plan budget, fn, its GraphDef).
-    good: tuple | None = None
-    earlier_frozen: bool = False  # late prefetches no longer move triggers earlier (that had run out of memory)
-
-
-def signature_key(concrete, args) -> str:
-    """The concrete function's name and the dtypes and shapes of the call's tensors."""
-    name = concrete.name if isinstance(concrete.name, str) else concrete.name.decode()
-    parts = [f"{t.dtype.name}{list(t.shape)}" for t in tf.nest.flatten(args, expand_composites=True)
-             if isinstance(t, (tf.Tensor, tf.Variable))]
-    return f"{name}({', '.join(parts)})"
 
 
 def device_limit_bytes() -> int | None:
@@ -199,34 +94,11 @@ def device_limit_bytes() -> int | None:
 class ManagedStep:
     """A training step under capuchin_tf. Call it like the tf.function it wraps (positional arguments)."""
 
-    def __init__(self, tf_fn, *, budget_bytes: int | None, policy: str, link: str | float,
-                 policy_options: Mapping[str, Any] | None = None, cache_dir: str | None = None,
-                 feedback: bool = True, max_replans: int = 20, settle_steps: int = 10, max_retries: int = 2,
-                 protect_steps: int | None = None, strict: bool = False, max_signatures: int = MAX_SIGNATURES,
-                 verbose: bool = False):
+    def __init__(self, tf_fn, options: Options | None = None):
         self._fn = tf_fn
-        self.budget_bytes = budget_bytes
-        self.policy = policy
-        self.link = link
-        self.policy_options = dict(policy_options or {})
-        if policy == "capuchin":
-            # A step must run a plan that fits: when the hybrid greedy paints itself into a corner and one of its
-            # halves fits, that half's plan runs (docs/policy.md, "fallback"; the policy benchmarks of issue 4 keep
-            # it off so that they compare the paper's algorithm as it is).
-            self.policy_options.setdefault("fallback", True)
-        self.cache = PlanCache(cache_dir) if cache_dir else None
-        self.feedback = feedback
-        self.max_replans = max_replans
-        self.settle_steps = settle_steps
-        self.max_retries = max_retries
-        self.protect_steps = protect_steps  # None: every guided step
-        self.strict = strict
-        self.max_signatures = max_signatures
-        # Passive mode during guided steps (the pool and on-demand eviction) is Capuchin's; the baselines (swap-all,
-        # checkpoint) run their plans alone, so that their max batch is their plan's.
-        self.safety_net = policy in CAPUCHIN_POLICIES
-        self.passive_rescue = True  # off: a guided step that keeps running out of memory raises CapuchinError
-        self.verbose = verbose
+        self.options = Options() if options is None else options
+        self.cache = PlanCache(self.options.plan_cache) if self.options.plan_cache else None
+        self.safety_net = POLICIES[self.options.policy].safety_net
         self._states: collections.OrderedDict[str, SignatureState] = collections.OrderedDict()
         self._warned_signatures = False
 
@@ -246,7 +118,7 @@ class ManagedStep:
             plan = st.plan
             out[key] = {
                 "phase": st.history[-1].phase if st.history else None,
-                "budget_bytes": self.budget_bytes,
+                "budget_bytes": self.options.budget_bytes,
                 "plan_budget_bytes": st.plan_budget,
                 "floor_bytes": st.floor_bytes,
                 "swapped_tensors": len(plan.swaps) if plan else 0,
@@ -254,7 +126,7 @@ class ManagedStep:
                 "recomputed_tensors": len(plan.recomputes) if plan else 0,
                 "recomputed_bytes": plan.recomputed_bytes if plan else 0,
                 "replans": st.replans,
-                "settled": st.steps_since_change >= self.settle_steps,
+                "settled": st.steps_since_change >= self.options.settle_steps,
                 "fallback_reason": st.fallback_reason,
                 "passive_only": st.passive_only,
                 "from_cache": st.from_cache,
@@ -300,13 +172,13 @@ class ManagedStep:
         state = SignatureState(concrete=concrete, key=key)
         try:
             self._prepare(state, args)
-        except _Refusal as refusal:
+        except Refusal as refusal:
             self._refuse(state, str(refusal))
-        if len(self._states) >= self.max_signatures:
+        if len(self._states) >= self.options.max_signatures:
             old, _ = self._states.popitem(last=False)
             if not self._warned_signatures:
                 self._warned_signatures = True
-                warnings.warn(f"capuchin_tf: this step was called with more than {self.max_signatures} input "
+                warnings.warn(f"capuchin_tf: this step was called with more than {self.options.max_signatures} input "
                               f"signatures (shapes); each new one is measured again, and the least recently used "
                               f"({old}) was dropped. Pad or bucket the inputs to a few shapes, or raise "
                               "max_signatures.", RuntimeWarning, stacklevel=4)
@@ -321,7 +193,7 @@ class ManagedStep:
         try:
             state.optimized = capture.optimized_graph(concrete, args)
         except (capture.CaptureError, tf.errors.OpError) as e:
-            raise _Refusal(f"its optimized graph could not be read ({type(e).__name__}: {oom_line(e)})") from e
+            raise Refusal(f"its optimized graph could not be read ({type(e).__name__}: {oom_line(e)})") from e
         writes = recovery.state_writes(state.optimized, n_user)
         # Assignments write into the variable's own buffer: the variables stay where compaction laid them out.
         state.optimized, _ = rewrite.assignments_in_place(state.optimized)
@@ -329,24 +201,25 @@ class ManagedStep:
                          for w, indices in writes.writers.items()
                          if any(recovery.variable_dtype(captures[i]) is None for i in indices)]
         if writes.unknown or not_variables:
-            raise _Refusal(f"it writes state capuchin_tf cannot copy and restore after a failure: "
+            raise Refusal(f"it writes state capuchin_tf cannot copy and restore after a failure: "
                            f"{', '.join((list(writes.unknown) + not_variables)[:3])} (a resource that is not a "
                            "captured variable)")
         try:
             state.snapshot = recovery.Snapshot(captures, writes.captures)
         except ValueError as e:
-            raise _Refusal(f"it writes a resource capuchin_tf cannot copy ({e})") from e
+            raise Refusal(f"it writes a resource capuchin_tf cannot copy ({e})") from e
         state.writes = writes
         try:
-            state.shaped = measure.shapes_graph(concrete, state.optimized, args)
+            state.shaped = rewrite.shapes_graph(concrete, state.optimized, args)
         except rewrite.RewriteError as e:
-            raise _Refusal(f"its optimized graph could not be imported ({e})") from e
+            raise Refusal(f"its optimized graph could not be imported ({e})") from e
         floor = working_set_floor(fold_views(capture.graph_model(state.optimized, state.shaped)))
         persistent = tf.config.experimental.get_memory_info(DEVICE)["current"]
         state.floor_bytes, state.floor_op = persistent + floor.bytes, floor.op
-        if self.budget_bytes is not None and state.floor_bytes > self.budget_bytes:
+        if self.options.budget_bytes is not None and state.floor_bytes > self.options.budget_bytes:
             raise BudgetError(
-                f"capuchin_tf: a memory budget of {format_bytes(self.budget_bytes)} is below what this step needs at "
+                f"capuchin_tf: a memory budget of {format_bytes(self.options.budget_bytes)} is below what this step "
+                f"needs at "
                 f"once: op {floor.op!r} ({floor.op_type}) reads and writes {format_bytes(floor.bytes)} of tensors "
                 f"while {format_bytes(persistent)} of persistent state (variables, optimizer slots, the step's "
                 f"inputs) is on the device. No budget below {format_bytes(state.floor_bytes)} can work (the op's "
@@ -354,7 +227,7 @@ class ManagedStep:
 
     def _refuse(self, state: SignatureState, reason: str) -> None:
         """The signature runs as plain TensorFlow from now on, with one warning (strict: CapuchinError)."""
-        if self.strict:
+        if self.options.strict:
             raise CapuchinError(f"capuchin_tf cannot manage this step ({state.key}): {reason}")
         state.fallback_reason = reason
         state.fn = None
@@ -373,9 +246,9 @@ class ManagedStep:
     def _budget(self):
         """The allocator enforces the budget while a managed step runs (when it is below the device's size)."""
         limit = device_limit_bytes()
-        on = self.budget_bytes is not None and limit is not None and self.budget_bytes < limit
+        on = self.options.budget_bytes is not None and limit is not None and self.options.budget_bytes < limit
         if on:
-            ops.set_memory_budget(self.budget_bytes)
+            ops.set_memory_budget(self.options.budget_bytes)
         try:
             yield
         finally:
@@ -387,7 +260,7 @@ class ManagedStep:
         whose error it is. If it fails too, its error is raised (the step's own); else the signature is refused and
         the plain step's outputs returned. Strict: CapuchinError at once."""
         reason = f"its {what} failed: {type(error).__name__}: {oom_line(error)}"
-        if self.strict:
+        if self.options.strict:
             raise CapuchinError(f"capuchin_tf cannot manage this step ({state.key}): {reason}; the variables are "
                                 "as they were before the call") from error
         outputs = self._fn(*args)
@@ -398,7 +271,7 @@ class ManagedStep:
     # ---- measured execution ------------------------------------------------------------------------------------
     def _meta(self, concrete) -> dict:
         meta = {}
-        if self.link == "p100":
+        if link_needs_flops(self.options.link):
             meta["flops"] = measure.count_flops(concrete)
         return meta
 
@@ -409,9 +282,9 @@ class ManagedStep:
         `speedup` times slower than the guided steps' (measured after each guided step). The plan keeps the trace's
         ratio of compute to transfer; the emulated link runs `speedup` times faster than the planner's, so that at
         run time the ratio is the same (for p100: the step's FLOP count over its real compute time, per byte)."""
-        model = DeviceModel.from_link(self.link, trace)
+        model = DeviceModel.from_link(self.options.link, trace)
         speedup = state.speedup if state is not None else 1.0
-        if self.link == "native":
+        if not link_is_emulated(self.options.link):
             ops.set_link_bandwidth(0.0)
         else:
             ops.set_link_bandwidth(model.d2h_bytes_per_s * speedup, model.h2d_bytes_per_s * speedup)
@@ -423,17 +296,17 @@ class ManagedStep:
         try:
             meta = self._meta(state.concrete)
             if state.passive_def is None:
-                state.passive_def = measure.passive_graph(state.concrete, args, state.optimized, state.shaped)
+                state.passive_def = rewrite.passive_graph(state.concrete, args, state.optimized, state.shaped)
         except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
             self._refuse(state, f"its measured step could not be built ({type(e).__name__}: {e})")
             return self._plain(state, args)
-        if self.budget_bytes is not None:
+        if self.options.budget_bytes is not None:
             # The variables in one run of memory, so that the step's free memory is one run too (recovery.py).
             try:
                 done = recovery.compact_variables([external for external, _ in state.concrete.graph.captures])
             except recovery.CompactionError as e:
                 raise BudgetError(str(e)) from e
-            if done is not None and self.verbose:
+            if done is not None and self.options.verbose:
                 print(f"capuchin_tf: laid out {done.variables} variables ({format_bytes(done.bytes)}) in one run; "
                       f"the device's largest free run {format_bytes(done.largest_free_before)} -> "
                       f"{format_bytes(done.largest_free_after)}", flush=True)
@@ -445,8 +318,8 @@ class ManagedStep:
             refusals = ops.allocator_stats()["refusals"]
             try:
                 with self._budget():
-                    outputs, trace = measure.measure_step(self._fn, args, budget_bytes=self.budget_bytes, meta=meta,
-                                                          graph_def=state.passive_def)
+                    outputs, trace = measure.measure_step(self._fn, args, budget_bytes=self.options.budget_bytes,
+                                                          meta=meta, graph_def=state.passive_def)
                 break
             except tf.errors.ResourceExhaustedError as e:
                 state.snapshot.restore(recovery.possibly_written(state.passive_def, state.writes,
@@ -454,7 +327,7 @@ class ManagedStep:
                 if retried >= MEASURED_RETRIES:
                     raise self._measured_oom(state, e, refusals) from e
                 retried += 1
-                if self.verbose:
+                if self.options.verbose:
                     print(f"capuchin_tf: the measured step ran out of memory ({oom_line(e)}); variables restored, "
                           "running it again", flush=True)
             except Exception as e:  # an error of the measured graph: not ours to pass on unless the step's own
@@ -464,13 +337,13 @@ class ManagedStep:
         state.trace = trace
         state.history.append(StepRecord("measured", seconds, trace.peak_bytes, retried=retried))
         try:
-            self._plan_and_rewrite(state, args, self.budget_bytes)
-        except (_Refusal, Exception) as e:  # noqa: BLE001  (whatever went wrong, the step's update stands, once)
-            if self.strict:
+            self._plan_and_rewrite(state, args, self.options.budget_bytes)
+        except (Refusal, Exception) as e:  # noqa: BLE001  (whatever went wrong, the step's update stands, once)
+            if self.options.strict:
                 state.snapshot.restore()
                 raise CapuchinError(f"capuchin_tf cannot manage this step ({state.key}): planning failed "
                                     f"({type(e).__name__}: {e}); the variables are as they were before the call") from e
-            self._refuse(state, str(e) if isinstance(e, _Refusal) else f"planning failed ({type(e).__name__}: {e})")
+            self._refuse(state, str(e) if isinstance(e, Refusal) else f"planning failed ({type(e).__name__}: {e})")
         if self.cache is not None and state.fn is not None and state.fallback_reason is None:
             try:
                 self.cache.store(self._cache_key(state, args), state.plan, extra={"trace": trace.to_json()})
@@ -484,7 +357,7 @@ class ManagedStep:
         refused: what the step asked for, and what was in use that passive mode could not evict (tensors the ops that
         run or wait to run hold, persistent state, tensors made or read in cond branches or loop bodies, tensors too
         small to pool), which no budget below their sum can run; or, with enough bytes free, that they were split."""
-        budget = self.budget_bytes or 0
+        budget = self.options.budget_bytes or 0
         stats = ops.allocator_stats()
         if head is None:
             head = (f"capuchin_tf: the measured step ran out of memory twice under a budget of {format_bytes(budget)}; "
@@ -520,9 +393,10 @@ class ManagedStep:
             else:
                 variables.append(f"{external.dtype.name}{list(external.shape)}")
         return CacheKey(graph_fingerprint=capture.graph_fingerprint(state.concrete.graph.as_graph_def()),
-                        input_signature=signature, budget_bytes=int(self.budget_bytes or 0), policy=self.policy,
-                        link=str(self.link), tf_version=tf.__version__, options=tuple(sorted(
-                            self.policy_options.items())),
+                        input_signature=signature, budget_bytes=int(self.options.budget_bytes or 0),
+                        policy=self.options.policy,
+                        link=str(self.options.link), tf_version=tf.__version__, options=tuple(sorted(
+                            self.options.planner_options().items())),
                         capuchin_tf_version=_version.__version__, variables="|".join(variables))
 
     def _load_cached(self, state: SignatureState, args) -> bool:
@@ -541,8 +415,8 @@ class ManagedStep:
         state.trace, state.from_cache = trace, True
         self._device_model(trace, state)
         try:
-            self._install(state, args, plan, self.budget_bytes or 0)
-        except _Refusal as e:
+            self._install(state, args, plan, self.options.budget_bytes or 0)
+        except Refusal as e:
             warnings.warn(f"capuchin_tf: the cached plan could not be applied ({e}); measuring again",
                           RuntimeWarning, stacklevel=4)
             state.trace, state.from_cache, state.plan = None, False, None
@@ -554,20 +428,20 @@ class ManagedStep:
         trace = state.trace
         device_model = self._device_model(trace, state)
         if not force and (budget is None or (trace.evicted_bytes == 0
-                                             and trace.peak_bytes <= NOTHING_TO_SAVE * self.budget_bytes)):
+                                             and trace.peak_bytes <= NOTHING_TO_SAVE * self.options.budget_bytes)):
             state.plan, state.plan_budget, state.fn = None, budget or 0, None  # nothing to save: run the plain step
             return
-        plan = make_plan(trace, budget, self.policy, device_model, **self.policy_options)
+        plan = make_plan(trace, budget, self.options.policy, device_model, **self.options.planner_options())
         self._install(state, args, plan, budget)
 
     def _install(self, state: SignatureState, args, plan: Plan, budget: int) -> bool:
-        """Rewrites the step for `plan`. If that fails: the first plan raises _Refusal; a later one (feedback, a
+        """Rewrites the step for `plan`. If that fails: the first plan raises Refusal; a later one (feedback, a
         tighter plan) warns and keeps the plan that runs. True when the new plan is installed."""
         previous = (state.plan, state.plan_budget, state.fn, state.guided_def)
         # Even a plan with no decisions is applied: the measured order it pins is the one that fitted.
         state.plan, state.plan_budget = plan, budget
-        state.protected_steps = self.protect_steps or 0
-        if self.verbose:
+        state.protected_steps = self.options.protect_steps or 0
+        if self.options.verbose:
             print(f"capuchin_tf: plan for {budget / 2**20:.1f} MiB: {plan.summary()}", flush=True)
         try:
             if not state.tensor_info:
@@ -580,8 +454,7 @@ class ManagedStep:
                     static = capture.static_tensor(state.shaped, nodes[op], slot) if op in nodes else None
                     if static is None:
                         continue
-                    shape = None if static.shape.rank is None else tuple(
-                        -1 if d is None else d for d in static.shape.as_list())
+                    shape = shape_of(None if static.shape.rank is None else static.shape.as_list())
                     state.tensor_info[t] = (static.dtype.name, shape)
             missing = [d.tensor for d in plan.decisions if d.tensor not in state.tensor_info]
             if missing:
@@ -593,14 +466,14 @@ class ManagedStep:
             # step: what the plan did not foresee (BFC fragmentation, a copy's timing) is evicted on demand instead
             # of failing the step. Capuchin's passive mode: the baselines run their plans alone.
             if self.safety_net:
-                graph_def = measure.pooled(graph_def, state.shaped)
-            state.fn = rewrite.rebuild(state.concrete, graph_def, name="capuchin_guided_step")
+                graph_def = rewrite.pooled(graph_def, state.shaped)
+            state.fn = function_surgery.rebuild(state.concrete, graph_def, name="capuchin_guided_step")
             state.guided_def = graph_def
             return True
         except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
             state.plan, state.plan_budget, state.fn, state.guided_def = previous
             if previous[2] is None and previous[0] is None:
-                raise _Refusal(f"its plan could not be applied ({type(e).__name__}: {e})") from e
+                raise Refusal(f"its plan could not be applied ({type(e).__name__}: {e})") from e
             warnings.warn(f"capuchin_tf: a new plan could not be applied ({type(e).__name__}: {e}); the current "
                           "plan stays", RuntimeWarning, stacklevel=4)
             return False
@@ -609,11 +482,11 @@ class ManagedStep:
     def _guided(self, state: SignatureState, args):
         retried = 0
         while True:
-            if self.verbose and retried:
+            if self.options.verbose and retried:
                 print(f"capuchin_tf: retry {retried}, device memory in use "
                       f"{tf.config.experimental.get_memory_info(DEVICE)['current'] / 2**20:.1f} MiB, host store "
                       f"{ops.host_store_stats()}", flush=True)
-            protected = self.protect_steps is None or state.protected_steps > 0
+            protected = self.options.protect_steps is None or state.protected_steps > 0
             if protected:
                 state.snapshot.take()
             before = ops.host_store_stats()
@@ -629,7 +502,7 @@ class ManagedStep:
                         # tensors and prefetched tensors their swap-in has not claimed (both come back on demand).
                         ops.set_passive_mode(self.safety_net)
                         try:
-                            outputs = rewrite.call_without_grappler(state.fn, *args)
+                            outputs = function_surgery.call_without_grappler(state.fn, *args)
                         finally:
                             ops.set_passive_mode(False)
             except tf.errors.ResourceExhaustedError as e:
@@ -645,23 +518,23 @@ class ManagedStep:
                 if state.fn is None:
                     # The plain step did not fit the budget after all (its executor's order peaks higher than the
                     # measured one): from now on the plan, made for it.
-                    self._plan_and_rewrite(state, args, self.budget_bytes, force=True)
+                    self._plan_and_rewrite(state, args, self.options.budget_bytes, force=True)
                     continue
-                if retried > self.max_retries:
+                if retried > self.options.max_retries:
                     # The last resort: this step in passive mode (the measured step's mechanism, which completed
                     # under this budget), then back to the tightened plan.
-                    if not self.passive_rescue:
+                    if not self.options.passive_rescue:
                         raise self._failure(state, e, rescue_off=True) from e
                     return self._passive(state, args, retried, e)
-                if not state.plan.feasible and self.safety_net and state.trace.peak_bytes <= (self.budget_bytes or 0):
+                if (not state.plan.feasible and self.safety_net
+                        and state.trace.peak_bytes <= (self.options.budget_bytes or 0)):
                     # A plan the planner itself predicted over the budget ran out of memory, where the measured step
                     # fitted: from now on the steps run in passive mode, as the measured one, rather than retry plans
-                    # its model says cannot fit (seen on a GRU under a wide head at half its transient peak: a plan
-                    # predicted at 19.8 MiB for 16.2 MiB failed three attempts in a row, each waiting for copies,
-                    # where passive steps fit every time). Such a plan often runs anyway, the safety net evicting
-                    # what it did not foresee: swap-only on the quick tier over the p100 link does.
+                    # its model says cannot fit: each such attempt waits for copies and fails again, where passive
+                    # steps fit (docs/decisions.md, "No plan that fits: the best one runs, then passive steps"). Until
+                    # it fails, such a plan runs: it often completes, the safety net evicting what it did not foresee.
                     state.passive_only = True
-                    if self.verbose:
+                    if self.options.verbose:
                         print(f"capuchin_tf: the plan, predicted at {format_bytes(state.plan.predicted_peak_bytes)} "
                               f"for {format_bytes(state.plan_budget)}, ran out of memory; the steps run in passive "
                               "mode from now on", flush=True)
@@ -684,12 +557,8 @@ class ManagedStep:
             seconds = time.perf_counter() - t0
             peak = tf.config.experimental.get_memory_info(DEVICE)["peak"]
             after = ops.host_store_stats()
-            stalls = ops.drain_stalls()
-            late: dict[str, float] = {}  # tensor -> how long its swap-in waited
-            for n, k, b, e in zip(stalls["name"], stalls["kind"], stalls["start_ns"], stalls["end_ns"]):
-                if k == 2:
-                    late[str(n)] = late.get(str(n), 0.0) + (int(e) - int(b)) / 1e9
-            early = [str(n) for n, k in zip(stalls["name"], stalls["kind"]) if k == 3]
+            stalls = summarize_stalls(ops.drain_stalls())
+            late, early = dict(stalls.late), list(stalls.early)
             plan = state.plan if state.fn is not None else None
             record = StepRecord("guided" if state.fn is not None else "plain", seconds, peak,
                                 planned_bytes=(plan.swapped_bytes + plan.recomputed_bytes) if plan else 0,
@@ -699,14 +568,13 @@ class ManagedStep:
                                 passive_evictions=after["passive_evictions"] - before["passive_evictions"],
                                 passive_evicted_bytes=after["passive_evicted_bytes"] - before["passive_evicted_bytes"])
             state.history.append(record)
-            waited = sum(int(e) - int(b) for e, b, k in zip(stalls["end_ns"], stalls["start_ns"], stalls["kind"])
-                         if k in (0, 1, 2)) / 1e9
+            waited = stalls.waited_s
             if state.fn is not None and not retried and seconds - waited > 0 and state.trace.step_time > 0:
                 speedup = max(1.0, state.trace.step_time / (seconds - waited))
                 if speedup > state.speedup:
                     state.speedup = speedup
                     self._device_model(state.trace, state)  # the emulated link follows
-            if self.feedback and state.fallback_reason is None:
+            if self.options.feedback and state.fallback_reason is None:
                 record.plan_changed = self._adjust(state, args, late, early, peak, seconds)
             state.steps_since_change = 0 if record.plan_changed or retried else state.steps_since_change + 1
             return outputs
@@ -717,22 +585,22 @@ class ManagedStep:
         restored before anything else (where it fails depends on BFC fragmentation, which varies from run to run)."""
         if state.passive_fn is None:
             if state.passive_def is None:
-                state.passive_def = measure.passive_graph(state.concrete, args, state.optimized, state.shaped)
-            state.passive_fn = measure.passive_step(state.concrete, args, state.passive_def)
+                state.passive_def = rewrite.passive_graph(state.concrete, args, state.optimized, state.shaped)
+            state.passive_fn = rewrite.passive_step(state.concrete, args, state.passive_def)
         state.snapshot.take()
         tf.config.experimental.reset_memory_stats(DEVICE)
         t0 = time.perf_counter()
         reruns = 0
         refusals = ops.allocator_stats()["refusals"]
         while True:
-            if self.verbose and (error is not None or reruns):
+            if self.options.verbose and (error is not None or reruns):
                 print(f"capuchin_tf: out of memory {'again' if not reruns else 'in passive mode'}; running this step "
                       f"in passive mode; device memory in use "
                       f"{tf.config.experimental.get_memory_info(DEVICE)['current'] / 2**20:.1f} MiB", flush=True)
             ops.set_passive_mode(True)
             try:
                 with self._budget():
-                    outputs = rewrite.call_without_grappler(state.passive_fn, *args)
+                    outputs = function_surgery.call_without_grappler(state.passive_fn, *args)
                 break
             except tf.errors.ResourceExhaustedError as e:
                 failure = e
@@ -745,8 +613,8 @@ class ManagedStep:
                 # Why, from what the allocator saw (the budget below what the step needs at once, or the free memory
                 # split), as for the measured step: a BudgetError; else the general one.
                 head = (f"capuchin_tf: a guided step ran out of memory under a budget of "
-                        f"{format_bytes(self.budget_bytes or 0)}, and twice more in passive mode; the variables are "
-                        "as they were before this call. ")
+                        f"{format_bytes(self.options.budget_bytes or 0)}, and twice more in passive mode; the "
+                        "variables are as they were before this call. ")
                 named = self._measured_oom(state, failure, refusals, head=head)
                 if named.args[0].startswith(head + "TensorFlow said"):
                     raise self._failure(state, failure, passive=True) from error
@@ -760,39 +628,41 @@ class ManagedStep:
 
     def _failure(self, state: SignatureState, error, passive: bool = False, rescue_off: bool = False) -> CapuchinError:
         if rescue_off:
-            what = (f"in {self.max_retries + 1} guided attempts with tighter plans (the variables were restored; "
-                    "passive-mode rescue is off)")
+            what = (f"in {self.options.max_retries + 1} guided attempts with tighter plans (the variables were "
+                    "restored; passive-mode rescue is off)")
         elif passive:
-            what = "even in passive mode (the variables were restored; what must stay on the device at once does not fit)"
+            what = ("even in passive mode (the variables were restored; what must stay on the device at once does not "
+                    "fit)")
         else:
             what = ("in a guided step whose written variables were not saved beforehand, after it may have written "
                     "some of them: some of this step's updates may have been applied, and it is not retried")
-        return CapuchinError(f"capuchin_tf: out of memory under a budget of {format_bytes(self.budget_bytes or 0)} "
-                             f"{what}. TensorFlow said: {oom_line(error)}")
+        budget = format_bytes(self.options.budget_bytes or 0)
+        return CapuchinError(f"capuchin_tf: out of memory under a budget of {budget} {what}. TensorFlow said: "
+                             f"{oom_line(error)}")
 
     def _tighten(self, state: SignatureState, args, reason: str) -> bool:
         """Re-plans for a tighter budget after an out-of-memory error or a peak over the budget; True if the plan
         changed.
 
-        The policies are greedy, so a plan for a tighter budget can be worse than the one that failed (dropout-bn
-        at 106 MiB: the plan for 106 MiB was predicted at 105.1 MiB, the one for 100.7 MiB at 134.6 MiB, not
-        feasible, and every guided step ran out of memory after it). So the tightest budget of TIGHTEN, then
+        The policies are greedy, so a plan for a tighter budget can be predicted far above the one that failed, even
+        infeasible (docs/decisions.md, "Out of memory in a guided step: tighten, never upward, then back to the last
+        plan that ran"). So the tightest budget of TIGHTEN, then
         bisection toward the current one (TIGHTEN_PROBES plans), whose plan fits is taken; if none fits, the
         lowest predicted peak, if below the current plan's; else the current plan stays and the step is retried as
         it is (what failed may have been a copy's timing or BFC fragmentation, which vary from step to step).
         """
-        current = state.plan_budget or self.budget_bytes or state.trace.peak_bytes
+        current = state.plan_budget or self.options.budget_bytes or state.trace.peak_bytes
         target = int(current * TIGHTEN)
-        if self.verbose:
+        if self.options.verbose:
             print(f"capuchin_tf: {reason}; re-planning for {target} bytes", flush=True)
         if state.plan is not None and state.untightenable_at == current:
-            if self.verbose:
+            if self.options.verbose:
                 print("capuchin_tf: no tighter plan fits (found before); retrying the current plan", flush=True)
             return False
         device_model = self._device_model(state.trace, state)
 
         def plan_for(budget: int) -> Plan:
-            return make_plan(state.trace, budget, self.policy, device_model, **self.policy_options)
+            return make_plan(state.trace, budget, self.options.policy, device_model, **self.options.planner_options())
 
         tried = [(target, plan_for(target))]
         if not tried[0][1].feasible and state.plan is not None:
@@ -812,7 +682,7 @@ class ManagedStep:
             budget, plan = min(tried, key=lambda bp: bp[1].predicted_peak_bytes)
             if state.plan is not None and plan.predicted_peak_bytes >= state.plan.predicted_peak_bytes:
                 state.untightenable_at = current
-                if self.verbose:
+                if self.options.verbose:
                     print(f"capuchin_tf: no tighter plan fits (best predicted peak "
                           f"{plan.predicted_peak_bytes / 2**20:.1f} MiB); retrying the current plan", flush=True)
                 return False
@@ -820,15 +690,15 @@ class ManagedStep:
 
     def _back_to_good(self, state: SignatureState) -> None:
         """After an out-of-memory error that no tighter plan answers: back to the last plan that ran, if the feedback
-        has changed it since. Moving prefetches earlier for the late ones raises the memory where they land; on the
-        transformer at 82-96 MiB under swap-only, the plan after the first guided step's feedback ran out of memory
-        in every later step, each then rescued in passive mode. From then on late prefetches no longer move
+        has changed it since. Moving prefetches earlier for the late ones raises the memory where they land, and a
+        plan changed that way can run out of memory in every later step (docs/decisions.md, "Out of memory in a guided
+        step: tighten, never upward, then back to the last plan that ran"). From then on late prefetches no longer move
         triggers earlier for this signature (early ones still move later)."""
         if state.good is None or state.good[0] is state.plan:
             return
         state.plan, state.plan_budget, state.fn, state.guided_def = state.good
         state.earlier_frozen = True
-        if self.verbose:
+        if self.options.verbose:
             print("capuchin_tf: back to the plan of the last guided step that completed; late prefetches no longer "
                   "move triggers earlier", flush=True)
 
@@ -837,9 +707,9 @@ class ManagedStep:
         """Feedback after a guided step; True when the plan changed (and the step was rewritten). Late prefetches
         move triggers only when their waits add up to LATE_REPLAN_FRACTION of the step: a new plan costs a rewrite
         and a new instantiation of the step (seconds on a large graph), more than waits of microseconds save."""
-        if state.plan is None or state.replans >= self.max_replans:
+        if state.plan is None or state.replans >= self.options.max_replans:
             return False
-        if self.budget_bytes is not None and peak > self.budget_bytes and state.fn is not None:
+        if self.options.budget_bytes is not None and peak > self.options.budget_bytes and state.fn is not None:
             return self._tighten(state, args, reason=f"peak {peak} over the budget")
         if sum(late.values()) < LATE_REPLAN_FRACTION * seconds:
             late = {}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -172,7 +172,7 @@ class Snapshot:
             self.dtypes[i] = dtype
         self.values: dict[int, np.ndarray] = {}
 
-    def take(self) -> "Snapshot":
+    def take(self) -> Snapshot:
         self.values = {i: np.array(tf.raw_ops.ReadVariableOp(resource=self.handles[i], dtype=self.dtypes[i]),
                                    copy=True)
                        for i in self.indices}
@@ -185,13 +185,12 @@ class Snapshot:
             if only is not None and i not in only:
                 continue
             # Written into the variable's own buffer (ops.assign_in_place), so that a restore allocates nothing on
-            # the device and moves no variable (restored variables scattered over the device split its free memory:
-            # MobileNetV3Large at 68 MiB had 34 MiB free and no room for a 4.7 MiB variable). Not AssignVariableOp:
-            # it takes over its value's buffer, here host memory backed by the numpy array. Not
-            # ResourceStridedSliceAssign: it puts the variable in copy-on-read mode for good, after which every read
-            # of the variable copies it and every update copies it to a new buffer, in every later step (seen:
-            # MobileNetV2 at 39 MiB, the updates' copies split the device's free memory after the measured step's
-            # first attempt was restored).
+            # the device and moves no variable (restored variables scattered over the device split its free
+            # memory). Not AssignVariableOp: it takes over its value's buffer, here host memory backed by the numpy
+            # array. Not ResourceStridedSliceAssign: it puts the variable in copy-on-read mode for good, after which
+            # every read of the variable copies it and every update copies it to a new buffer, in every later step,
+            # and those copies split the free memory too (docs/decisions.md, "A failed attempt restores only what it
+            # may have written, in place, before anything else").
             ops.assign_in_place(self.handles[i], tf.constant(value, dtype=self.dtypes[i]))
 
 
@@ -227,9 +226,9 @@ def compact_variables(handles: Sequence) -> Compaction | None:
     Why: a model's variables are placed wherever BFC's best fit put them while the model was built, between the
     temporaries of their initializers; when those temporaries are freed, the variables stay scattered, and the holes
     between them are all the room a step has. On a device the size of the budget, a step can then fail for want of
-    one free run of a few MiB with far more free in pieces (a GAN at 39 MiB: a 6.12 MiB weight in the middle of the
-    free memory, 10.4 MiB free in runs of at most 4.69 MiB). Freed and allocated again one after the other, the
-    variables fill one run, and the step's free memory is one run too.
+    one free run of a few MiB with far more free in pieces (docs/decisions.md, "Variables are laid out again before
+    the measured step"). Freed and allocated again one after the other, the variables fill one run, and the step's
+    free memory is one run too.
 
     How: host copies of every variable; each variable set to an empty tensor (its buffer freed); then, largest first,
     each allocated again from its copy. With the largest free run then at least the variables' bytes (the usual case:

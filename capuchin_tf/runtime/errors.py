@@ -1,0 +1,50 @@
+"""The runtime's errors and what they quote: the out-of-memory line, and what the device's bytes in use were."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from capuchin_tf.core.budget import format_bytes
+
+
+def oom_line(error: Exception) -> str:
+    """The line of an error's message that says what could not be allocated (else its first line), at most 300
+    characters: what the CLIs and CapuchinError quote."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()] or [""]
+    return next((ln for ln in lines if "OOM when allocating" in ln), lines[0])[:300]
+
+
+def in_use_breakdown(in_use: int, start_bytes: int, stats: Mapping) -> str:
+    """What the device's `in_use` bytes at an allocation's refusal were: the persistent state in use when the step
+    started, the tensors of capuchin_tf's pool that ops running or waiting to run held, those only the pool held (it
+    could have evicted them: they were not where the allocation needed room), and the rest: what capuchin_tf does not
+    manage (op temporaries and workspaces, tensors of cond branches and loop bodies, tensors it did not pool, copies
+    of variables an update made)."""
+    persistent = min(start_bytes, in_use)
+    # A pooled tensor can be counted twice: in the small-tensor pool's region (persistent state once the pool is taken)
+    # or as a view of an input of the step. So the pool's share is never more than what is left after the persistent
+    # state: the pool's share is an upper bound, what capuchin_tf does not manage a lower one.
+    shared = min(stats.get("refused_store_shared", 0), in_use - persistent)
+    idle = min(stats.get("refused_store_idle", 0), in_use - persistent - shared)
+    other = in_use - persistent - shared - idle
+    parts = [f"{format_bytes(persistent)} persistent state (variables, optimizer slots, the step's inputs)",
+             f"{format_bytes(shared)} of pooled tensors that running or waiting ops held"]
+    if idle:
+        parts.append(f"{format_bytes(idle)} of pooled tensors elsewhere on the device")
+    parts.append(f"{format_bytes(other)} that capuchin_tf does not manage (op temporaries and workspaces, tensors of "
+                 "cond branches and loop bodies, tensors it did not pool)")
+    return ", ".join(parts)
+
+
+class CapuchinError(RuntimeError):
+    """A managed step failed in a way capuchin_tf cannot recover from, or (strict) a step it cannot manage; the
+    message says what, and whether anything was written."""
+
+
+class BudgetError(CapuchinError):
+    """The memory budget is below what the step can ever need (raised before anything runs), or the measured step
+    could not complete under it (raised with the variables as they were)."""
+
+
+class Refusal(Exception):
+    """Why capuchin_tf does not manage a signature (internal: ManagedStep._refuse turns it into one warning)."""

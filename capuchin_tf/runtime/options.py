@@ -1,0 +1,112 @@
+"""`Options`: everything a managed step is told, checked once, frozen.
+
+The decorator (`capuchin_tf.function`), the Keras callback and the bench worker build one with `Options.make(...)`,
+which checks every value with a message that says what is accepted; `ManagedStep` takes it as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from capuchin_tf.core.budget import format_bytes, parse_budget
+from capuchin_tf.core.device_model import LINK_NAMES
+from capuchin_tf.policy import POLICIES
+
+MAX_SIGNATURES = 8  # input signatures kept per step (each has its own measurement, plan and rewritten graph)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a managed step does. Build it with `Options.make`, which checks each field.
+
+    budget_bytes: the device memory the plan aims at; None: the device's own limit (or no budget without one).
+    policy: a registered policy (`capuchin`, `swap-only`, `recompute-only`, `swap-all`, `checkpoint`, `tf`).
+    link: `native` (swaps are memcpys), `p100` (a link emulated at the model's FLOP rate / 258 FLOP per byte) or a
+        bandwidth in bytes/s.
+    policy_options: extra keyword arguments of the policy, over the policy's own runtime defaults (the registry's).
+    plan_cache: a directory; plans are stored there and reused by a restarted job.
+    feedback: adjust the plan from late prefetches and the measured peak; max_replans bounds how often.
+    settle_steps: guided steps without a plan change after which a signature counts as settled.
+    max_retries: guided attempts of one call (each with a tighter plan) before it runs in passive mode.
+    protect_steps: guided steps after a plan change that run with host snapshots of what the step writes; None: all.
+    passive_rescue: a guided step that keeps running out of memory runs in passive mode; False raises CapuchinError.
+    strict: raise `CapuchinError` where capuchin_tf would otherwise refuse a step (one warning, then plain TF).
+    max_signatures: input signatures kept, each with its own measurement and plan (least recently used out).
+    verbose: say what happens (plans, retries, passive rescues) as it goes.
+    """
+
+    budget_bytes: int | None = None
+    policy: str = "capuchin"
+    link: str | float = "native"
+    policy_options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    plan_cache: str | None = None
+    feedback: bool = True
+    max_replans: int = 20
+    settle_steps: int = 10
+    max_retries: int = 2
+    protect_steps: int | None = None
+    passive_rescue: bool = True
+    strict: bool = False
+    max_signatures: int = MAX_SIGNATURES
+    verbose: bool = False
+
+    @classmethod
+    def make(cls, *, memory_budget: int | float | str | None = None, device_limit: int | None = None,
+             **fields) -> Options:
+        """Checked options. `memory_budget`: bytes or a size string ("2GiB", "512MiB"; core.budget), at most
+        `device_limit` (the device's size in bytes) when there is one; None: the device's limit."""
+        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)} | ({"budget_bytes"} & set(fields))
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}")
+        if memory_budget is None:
+            budget = device_limit
+        else:
+            budget = parse_budget(memory_budget)
+            if device_limit is not None and budget > device_limit:
+                raise ValueError(f"memory_budget {format_bytes(budget)} is larger than the device "
+                                 f"({format_bytes(device_limit)}); the budget is what the plan aims at, at most the "
+                                 "device's memory")
+        options = cls(budget_bytes=budget, **fields)
+        options._check()
+        return options
+
+    def _check(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; the registered policies are: {', '.join(POLICIES)}")
+        link = self.link
+        if isinstance(link, bool) or not (link in LINK_NAMES or (isinstance(link, (int, float)) and link > 0)):
+            raise ValueError(f"link must be one of {LINK_NAMES} or a bandwidth in bytes/s (a positive number), "
+                             f"got {link!r}")
+        if not isinstance(self.policy_options, Mapping):
+            raise TypeError(f"policy_options must be a mapping of option names to values, got {self.policy_options!r}")
+        if self.plan_cache is not None and not isinstance(self.plan_cache, (str, os.PathLike)):
+            raise TypeError(f"plan_cache must be a directory path (str or os.PathLike), got {self.plan_cache!r}")
+        for name in ("feedback", "passive_rescue", "strict", "verbose"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name, low in (("max_replans", 0), ("settle_steps", 0), ("max_retries", 0), ("max_signatures", 1),
+                          ("protect_steps", 0)):
+            value = getattr(self, name)
+            if name == "protect_steps" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                kind = "positive" if low else "non-negative"
+                raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
+        # Frozen copies of what the caller may still hold.
+        object.__setattr__(self, "policy_options", types.MappingProxyType(dict(self.policy_options)))
+        if self.plan_cache is not None:
+            object.__setattr__(self, "plan_cache", os.fspath(self.plan_cache))
+
+    def replace(self, **changes) -> Options:
+        """A checked copy with `changes` (field names)."""
+        options = dataclasses.replace(self, **changes)
+        options._check()
+        return options
+
+    def planner_options(self) -> dict[str, Any]:
+        """The keyword arguments the policy gets: its registered runtime defaults, then `policy_options`."""
+        return {**POLICIES[self.policy].runtime_options, **self.policy_options}
