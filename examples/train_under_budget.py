@@ -105,7 +105,8 @@ def main() -> int:
         print(f"      plan: swapped {run['swapped_tensors']} tensors ({run['swapped_bytes'] / MiB:.1f} MiB), "
               f"recomputed {run['recomputed_tensors']} ({run['recomputed_bytes'] / MiB:.1f} MiB), "
               f"{run['replans']} re-plans")
-        print(f"      throughput {run['samples_per_s']:.1f} samples/s = {run['samples_per_s'] / ref['samples_per_s']:.2f}x "
+        ratio = run["samples_per_s"] / ref["samples_per_s"]
+        print(f"      throughput {run['samples_per_s']:.1f} samples/s = {ratio:.2f}x "
               "plain TensorFlow with enough memory")
         print(f"      bit-for-bit equal to plain TensorFlow (losses and every variable): {'yes' if equal else 'NO'}")
     else:

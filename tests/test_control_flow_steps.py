@@ -1,5 +1,5 @@
-"""Training steps with control flow, under a budget, through the public decorator: the review findings of the issue
-"Any training step, exactly", each as a small step that failed, or silently went wrong, before.
+"""Training steps with control flow, under a budget, through the public decorator: each a small step of a kind that
+made a managed step fail, or silently go wrong.
 
 Each case runs in a fresh process on a device larger than the budget (so the peak check can fail): plain TensorFlow
 first (its peak gives the budget, persistent + 0.5 x transient), then the same model rebuilt from the same seed under
@@ -145,8 +145,8 @@ CASES = [
     ("while", 0.65, 96),
     # a global norm makes every gradient a predecessor of every update: "449 nodes in a cycle" in the passive step
     ("clip", 0.5, 64),
-    # the whole update inside a cond (the review saw "TraceError: op 'gradient_tape/Tile' appears twice"; the code
-    # this test was written against returned an empty loss, like "cond")
+    # the whole update inside a cond (guards against "TraceError: op 'gradient_tape/Tile' appears twice" and against
+    # an empty loss, as in "cond")
     ("update-in-cond", 1.25, 64),
     # a tf.random.Generator's state is written by RngReadAndSkip, not by a variable assignment
     ("generator", 0.5, 64),

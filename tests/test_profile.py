@@ -10,11 +10,11 @@ import pytest
 import tensorflow as tf
 
 import capuchin_tf  # noqa: F401  (loads the op library)
-from capuchin_tf.tf import capture, measure
-from capuchin_tf.core import control_flow
 from capuchin_tf.cli import models
+from capuchin_tf.core import control_flow
+from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.graph_model import Role
-from capuchin_tf.core.trace import AccessTrace
+from capuchin_tf.tf import capture, measure
 
 QUICK = [("mlp", 64), ("cnn", 8), ("transformer", 4), ("dropout-bn", 8)]
 
@@ -67,7 +67,8 @@ def test_every_executed_edge_is_an_access_with_its_own_measured_time(measured, n
             assert reads, f"{o.name} reads {t} but the trace has no such access"
             assert reads[0].time == pytest.approx(starts[o.name])
             checked += 1
-    assert checked > 20, (checked, len(trace.ops), len(trace.tensors), sum(1 for o in trace.ops for t in trace.graph.ops[o.name].inputs if t in trace.tensors))
+    assert checked > 20, (checked, len(trace.ops), len(trace.tensors),
+                          sum(1 for o in trace.ops for t in trace.graph.ops[o.name].inputs if t in trace.tensors))
     # times are measured, not a graph order: different ops start at different times
     assert len({round(o.start, 9) for o in trace.ops}) > len(trace.ops) // 2
 

@@ -12,10 +12,10 @@ import pytest
 import tensorflow as tf
 
 import capuchin_tf  # noqa: F401  (loads the op library)
-from capuchin_tf.tf import capture, ops, measure, rewrite
 from capuchin_tf.cli import models
 from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.policy import make_plan
+from capuchin_tf.tf import capture, function_surgery, measure, ops, rewrite
 
 MODEL, BATCH, STEPS = "cnn", 32, 3
 
@@ -44,7 +44,7 @@ def test_guided_steps_follow_the_plan_and_give_plain_tensorflows_bits(plain, pol
 
     concrete = setup.train_step.get_concrete_function()
     optimized = capture.optimized_graph(concrete, setup.inputs)
-    shaped = rewrite.rebuild(concrete, optimized).graph
+    shaped = function_surgery.rebuild(concrete, optimized).graph
     tensors = {d.tensor: shaped.get_tensor_by_name(d.tensor) for d in plan.decisions}
     dtypes = {t: v.dtype.name for t, v in tensors.items()}
     shapes = {t: tuple(-1 if x is None else x for x in v.shape.as_list()) for t, v in tensors.items()}
@@ -55,14 +55,14 @@ def test_guided_steps_follow_the_plan_and_give_plain_tensorflows_bits(plain, pol
     assert sum(n.startswith("capuchin/swap_in/") for n in names) == len(plan.swaps)
     assert (sum(n.startswith("capuchin/recompute/") for n in names)
             == sum(len(d.replay_ops) for d in plan.recomputes))
-    guided = rewrite.rebuild(concrete, rewritten)
+    guided = function_surgery.rebuild(concrete, rewritten)
 
     losses = [float.hex(float(loss))]
     before = ops.host_store_stats()
     peaks = []
     for _ in range(STEPS - 1):
         tf.config.experimental.reset_memory_stats("CPU:0")
-        losses.append(float.hex(float(rewrite.call_without_grappler(guided, *setup.inputs))))
+        losses.append(float.hex(float(function_surgery.call_without_grappler(guided, *setup.inputs))))
         peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
     after = ops.host_store_stats()
 
@@ -127,6 +127,6 @@ def test_assignments_in_place_keep_what_the_planner_knows_of_them():
     assert schedule.is_variable_writer("Capuchin>AssignInPlace")
     model = capture.graph_model(edited)
     assert model.ops[name].role.name == "OPTIMIZER"
-    fn = rewrite.rebuild(concrete, edited)
-    assert float(rewrite.call_without_grappler(fn, x)) == 6.0 and w.numpy().tolist() == [2.0, 2.0, 2.0]
+    fn = function_surgery.rebuild(concrete, edited)
+    assert float(function_surgery.call_without_grappler(fn, x)) == 6.0 and w.numpy().tolist() == [2.0, 2.0, 2.0]
     assert s.numpy() == b"b"

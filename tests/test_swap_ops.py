@@ -117,7 +117,8 @@ def test_swap_out_lowers_bfc_current_by_the_tensor_size():
     capuchin_tf.prefetch(handle)
     assert wait_until(lambda: capuchin_tf.handle_status(handle) == HandleStatus.IN)
     # Back on the device. BFC may hand out a free chunk somewhat larger than asked: it splits a chunk only when the
-    # surplus reaches the simulated device's fragmentation threshold (1/128 of its limit, cc/kernels/device_allocator.cc).
+    # surplus reaches the simulated device's fragmentation threshold (1/128 of its limit,
+    # cc/kernels/device_allocator.cc).
     rise = bfc_current() - (before - n_bytes + BFC_MIN_CHUNK)
     assert n_bytes <= rise < n_bytes + DEVICE_LIMIT_BYTES // 128, rise
     y = capuchin_tf.swap_in(handle, tf.float32, [n_bytes // 4])
@@ -164,7 +165,8 @@ def test_a_late_prefetch_waits_and_is_counted():
 
 
 def test_unknown_or_consumed_handle_is_invalid_argument():
-    not_a_handle = tf.raw_ops.EmptyTensorList(element_shape=tf.constant([], tf.int32), max_num_elements=1, element_dtype=tf.float32)
+    not_a_handle = tf.raw_ops.EmptyTensorList(element_shape=tf.constant([], tf.int32), max_num_elements=1,
+                                              element_dtype=tf.float32)
     with pytest.raises(tf.errors.InvalidArgumentError, match="not a capuchin_tf swap handle"):
         capuchin_tf.swap_in(not_a_handle, tf.float32)
     with pytest.raises(tf.errors.InvalidArgumentError, match="not a capuchin_tf swap handle"):
@@ -182,7 +184,7 @@ def test_unknown_or_consumed_handle_is_invalid_argument():
 def test_a_handle_dropped_by_python_is_released():
     before = capuchin_tf.host_store_stats()
     handle = capuchin_tf.swap_out(tf.ones([1000]))
-    assert wait_until(lambda: capuchin_tf.handle_status(handle) == HandleStatus.OUT)
+    assert wait_until(lambda h=handle: capuchin_tf.handle_status(h) == HandleStatus.OUT)
     del handle
     wait_for_idle_store()
     assert capuchin_tf.host_store_stats()["released_unconsumed"] == before["released_unconsumed"] + 1
@@ -299,7 +301,7 @@ def test_link_emulation_takes_bytes_over_bandwidth_and_compute_goes_on():
         capuchin_tf.swap_in(handle, tf.float32)
         # Two copies in one direction serialize: the second ends about 2N/B after both were issued.
         t2 = time.monotonic()
-        h1, h2 = capuchin_tf.swap_out(x), capuchin_tf.swap_out(x)
+        _, h2 = capuchin_tf.swap_out(x), capuchin_tf.swap_out(x)
         assert wait_until(lambda: capuchin_tf.handle_status(h2) == HandleStatus.OUT)
         both_s = time.monotonic() - t2
         capuchin_tf.release_all_handles()

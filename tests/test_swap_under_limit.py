@@ -1,8 +1,6 @@
 """On the simulated device: a graph that runs out of memory without swapping runs with it, and gives the same bits."""
 
-import json
 
-import pytest
 
 GRAPH = """
 import json
@@ -136,8 +134,8 @@ print(json.dumps({"evicted": evicted, "values": values, "swap_ins": ops.host_sto
 
 
 def test_readers_of_one_evicted_tensor_share_one_swap_in(simulated_device):
-    """Gets of the same evicted tensor on several inter-op threads: one brings it back, the others wait for it (they
-    used to copy from the host buffer the first one frees: wrong bits, or a segmentation fault)."""
+    """Gets of the same evicted tensor on several inter-op threads: one brings it back, the others wait for it (else
+    they would copy from the host buffer the first one frees: wrong bits, or a segmentation fault)."""
     r = simulated_device(CONCURRENT_GETS, limit_mb=512, env={"TF_NUM_INTEROP_THREADS": "6"})
     assert r["evicted"] == 1
     assert r["values"] == [[[3.0, 3.0]] * 6]
@@ -159,8 +157,8 @@ blocks = [tf.fill([N], float(i)) for i in range(3)]  # 48 MiB of the 64 MiB devi
 ops.set_link_bandwidth({bandwidth})  # bytes/s: a 16 MiB copy takes 16 MiB / bandwidth
 handles = [ops.swap_out(b, name=f"b{{i}}") for i, b in enumerate(blocks)]
 del blocks  # the store holds them now: the first goes on the link, the other two wait in the queue
-# Time for the copy worker to take the first block (seen in CI under load: not yet taken when the allocation came, all
-# three were copied at once and nothing waited); its copy takes 2 s or more, so it is still on the link after this.
+# Time for the copy worker to take the first block (under load it may not have taken it when the allocation comes:
+# all three are then copied at once and nothing waits); its copy takes 2 s or more: still on the link after this.
 time.sleep(0.5)
 ops.set_passive_mode(True)
 t0 = time.perf_counter()
@@ -184,7 +182,7 @@ print(json.dumps({{"fits": fits, "sum": big_sum, "waited": waited, "expedited": 
 def test_an_allocation_takes_the_memory_of_swap_outs_still_queued_for_the_link(simulated_device):
     """Guided execution's safety net: a swap-out waiting behind others for the (emulated) link still holds its device
     buffer. An allocation that needs that memory copies the queued ones at once instead of failing (or waiting for
-    the link): seen on the transformer, whose head found its memory held by queued 1 MiB swap-outs."""
+    the link): else a step's large allocation can find the memory it needs held by queued swap-outs."""
     r = simulated_device(QUEUED_SWAP_OUTS.format(bandwidth=1 << 20), limit_mb=64)  # 16 s per block on the link
     assert r["fits"] and r["sum"] == 10 * 1024 * 1024
     assert r["expedited"] == 2, r

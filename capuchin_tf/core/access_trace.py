@@ -27,7 +27,8 @@ import dataclasses
 import json
 import math
 import pathlib
-from typing import Any, Iterable, Mapping, NoReturn, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NoReturn
 
 from capuchin_tf.core.graph_model import SCHEMA_VERSION, GraphModel, GraphModelError, Role
 
@@ -160,9 +161,11 @@ class AccessTrace:
         end = curve[nxt][0] if nxt < len(curve) else self.step_time
         return (start, end)
 
-    def saving_target(self, budget_bytes: int, margin_bytes: int = 0) -> int:
-        """Bytes to save: the larger of what passive mode evicted and (ideal peak - budget + margin) (design.md)."""
-        return max(self.evicted_bytes, self.replayed_peak_bytes() - budget_bytes + margin_bytes, 0)
+    def saving_target(self, budget_bytes: int, margin_bytes: int = 0, replayed_peak: int | None = None) -> int:
+        """Bytes to save: the larger of what passive mode evicted and (ideal peak - budget + margin) (design.md).
+        `replayed_peak`: the trace's replayed peak when the caller has it (TraceIndex.replayed_peak)."""
+        peak = self.replayed_peak_bytes() if replayed_peak is None else replayed_peak
+        return max(int(self.evicted_bytes), peak - budget_bytes + margin_bytes, 0)
 
     # ---- JSON ----------------------------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -194,7 +197,7 @@ class AccessTrace:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "AccessTrace":
+    def from_json(cls, d: Mapping) -> AccessTrace:
         """The trace from its JSON form (`to_json`); raises TraceFormatError, naming the field, when it is malformed."""
         return _parse_trace(cls, d)
 
@@ -202,7 +205,7 @@ class AccessTrace:
         pathlib.Path(path).write_text(json.dumps(self.to_json()))
 
     @classmethod
-    def load(cls, path: str | pathlib.Path) -> "AccessTrace":
+    def load(cls, path: str | pathlib.Path) -> AccessTrace:
         """Reads a trace file. TraceFormatError when it is not JSON or not a valid trace; OSError when unreadable."""
         raw = pathlib.Path(path).read_bytes()
         if raw[:2] == b"\x1f\x8b":

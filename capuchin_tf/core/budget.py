@@ -17,6 +17,10 @@ import numbers
 import re
 from fractions import Fraction
 
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -87,4 +91,4 @@ def fraction_budget_mb(persistent_bytes: int, peak_bytes: int, fraction: float) 
         raise ValueError(f"the transient fraction must be in (0, 1], got {fraction!r}")
     if persistent_bytes < 0 or peak_bytes < persistent_bytes:
         raise ValueError(f"need 0 <= persistent ({persistent_bytes}) <= peak ({peak_bytes}) bytes")
-    return -(-int(persistent_bytes + fraction * (peak_bytes - persistent_bytes)) // (1 << 20))
+    return -(-int(persistent_bytes + fraction * (peak_bytes - persistent_bytes)) // MiB)

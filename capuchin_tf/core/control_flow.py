@@ -27,7 +27,7 @@ import bisect
 import collections
 import dataclasses
 import heapq
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 ROOT: tuple = ()
 SWITCH_OPS = frozenset({"Switch", "RefSwitch"})

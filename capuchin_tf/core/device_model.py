@@ -15,7 +15,7 @@ compute-to-transfer ratio: the model's FLOP rate on this machine / 258 FLOP per 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 # Host memcpy bandwidth of this machine, per direction, for tensors of 16-64 MiB (docs/results.md, 2026-11-29:
 # 5.7-6.3 GB/s device-to-host and 6.0-6.1 GB/s host-to-device).
@@ -28,6 +28,16 @@ LINK_NAMES = ("native", "p100")
 
 class DeviceModelError(ValueError):
     """A link cannot be built (unknown name, bad bandwidth, or a trace without what the regime needs)."""
+
+
+def link_needs_flops(link: str | float | int) -> bool:
+    """Whether the link's model needs the step's FLOP count in the trace's meta (the p100 link does)."""
+    return link == "p100"
+
+
+def link_is_emulated(link: str | float | int) -> bool:
+    """Whether copies over this link are slowed down to its bandwidth (every link but `native`, a plain memcpy)."""
+    return link != "native"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +63,11 @@ class DeviceModel:
         return nbytes / self.h2d_bytes_per_s
 
     @classmethod
-    def symmetric(cls, bytes_per_s: float, link: str = "custom") -> "DeviceModel":
+    def symmetric(cls, bytes_per_s: float, link: str = "custom") -> DeviceModel:
         return cls(float(bytes_per_s), float(bytes_per_s), link)
 
     @classmethod
-    def from_link(cls, link: str | float | int, trace=None) -> "DeviceModel":
+    def from_link(cls, link: str | float | int, trace=None) -> DeviceModel:
         """``native``, ``p100`` (needs the trace: ``meta["flops"]`` and ``step_time``) or a bandwidth in bytes/s."""
         if isinstance(link, (int, float)) and not isinstance(link, bool):
             return cls.symmetric(float(link), f"{float(link):g}")
@@ -97,5 +107,5 @@ class DeviceModel:
         return {"link": self.link, "d2h_bytes_per_s": self.d2h_bytes_per_s, "h2d_bytes_per_s": self.h2d_bytes_per_s}
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "DeviceModel":
+    def from_json(cls, d: Mapping) -> DeviceModel:
         return cls(float(d["d2h_bytes_per_s"]), float(d["h2d_bytes_per_s"]), str(d.get("link", "custom")))

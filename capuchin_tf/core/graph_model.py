@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from capuchin_tf.core.control_flow import CONTROL_FLOW_OPS
 
@@ -39,6 +39,19 @@ def split_tensor_id(tid: str) -> tuple[str, int]:
     return op, int(slot)
 
 
+UNKNOWN_DIM = -1  # a dimension a shape leaves open, as the graph model and the trace write it
+
+
+def shape_of(dims) -> tuple[int, ...] | None:
+    """A shape as the graph model keeps it, from TensorFlow's dims (None: unknown rank; None dims become -1)."""
+    return None if dims is None else tuple(UNKNOWN_DIM if d is None else int(d) for d in dims)
+
+
+def tf_dims(shape: tuple[int, ...] | None) -> list[int | None] | None:
+    """The inverse of `shape_of`: dims with None for the open ones, for a TensorShape or a shape attribute."""
+    return None if shape is None else [None if d == UNKNOWN_DIM else d for d in shape]
+
+
 @dataclasses.dataclass(frozen=True)
 class OpInfo:
     """One op of the step. `inputs` are tensor ids in input order; `control_inputs` are op names."""
@@ -65,7 +78,7 @@ class OpInfo:
         return d
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "OpInfo":
+    def from_json(cls, d: Mapping) -> OpInfo:
         return cls(
             name=d["name"],
             type=d["type"],
@@ -99,7 +112,7 @@ class TensorInfo:
         return d
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "TensorInfo":
+    def from_json(cls, d: Mapping) -> TensorInfo:
         shape = d.get("shape")
         return cls(
             id=d["id"],
@@ -124,7 +137,7 @@ class GraphModel:
     tensors: Mapping[str, TensorInfo]
 
     @classmethod
-    def build(cls, ops: Iterable[OpInfo], tensors: Iterable[TensorInfo], check: bool = True) -> "GraphModel":
+    def build(cls, ops: Iterable[OpInfo], tensors: Iterable[TensorInfo], check: bool = True) -> GraphModel:
         model = cls(ops={o.name: o for o in ops}, tensors={t.id: t for t in tensors})
         if check:
             model.check()
@@ -168,7 +181,7 @@ class GraphModel:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "GraphModel":
+    def from_json(cls, d: Mapping) -> GraphModel:
         return cls.build(
             (OpInfo.from_json(o) for o in d["ops"]),
             (TensorInfo.from_json(t) for t in d["tensors"]),
@@ -259,12 +272,12 @@ def view_base(model: GraphModel, tid: str) -> str:
 def fold_views(model: GraphModel) -> GraphModel:
     """The graph with every read through a view op made a read of the tensor it views.
 
-    A view shares its input's buffer, so reading the view reads that buffer: the transformer's MLM-loss gradient is
-    made at step start, reshaped at once, and read through the Reshape at the head's backward pass, and the tensor
-    that holds the 20 MiB meanwhile is the UnsortedSegmentSum's. Folded, that read is an access of the
-    UnsortedSegmentSum's output, so the planner sees the idle gap. The view ops stay (they still read their input)
-    and each folded reader gets a control input on its view ops, so that orders of the folded graph stay orders of
-    the real one. The rewriter recreates the views on whatever replaces the tensor (rewrite.py).
+    A view shares its input's buffer, so reading the view reads that buffer: a tensor reshaped as soon as it is made
+    and read only through the Reshape much later has, unfolded, no read after the Reshape, while its buffer stays in
+    use until the late read. Folded, that read is an access of the viewed tensor, so the planner sees the idle gap
+    (docs/decisions.md, "Reads through view ops are reads of the buffer they view"). The view ops stay (they still
+    read their input) and each folded reader gets a control input on its view ops, so that orders of the folded graph
+    stay orders of the real one. The rewriter recreates the views on whatever replaces the tensor (rewrite.py).
     """
     changed = False
     ops = []

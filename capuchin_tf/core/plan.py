@@ -19,21 +19,44 @@ Every access names an op of the trace, so the rewriter can map it to a graph nod
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import pathlib
-from typing import Iterable, Mapping, Union
+from collections.abc import Iterable, Mapping
+from typing import Union
 
+from capuchin_tf.core.budget import MiB
 from capuchin_tf.core.device_model import DeviceModel
 
 PLAN_SCHEMA_VERSION = 1
 PLAN_KIND = "capuchin_tf.Plan"
 
-SWAP = "swap"
-RECOMPUTE = "recompute"
-ON_DEMAND = "on-demand"
-EARLY = "early"
 
-MiB = 1 << 20
+
+class _Name(str, enum.Enum):
+    """A name written as its value in JSON, in f-strings and by str()."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+class DecisionKind(_Name):
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+
+
+class TriggerMode(_Name):
+    """When a recomputation runs: at its back-access (the paper) or after an earlier trigger op."""
+
+    ON_DEMAND = "on-demand"
+    EARLY = "early"
+
+
+SWAP, RECOMPUTE = DecisionKind.SWAP, DecisionKind.RECOMPUTE
+ON_DEMAND, EARLY = TriggerMode.ON_DEMAND, TriggerMode.EARLY
+
 
 
 class PlanError(ValueError):
@@ -53,7 +76,7 @@ class AccessRef:
         return {"tensor": self.tensor, "index": self.index, "op": self.op, "time": self.time}
 
     @classmethod
-    def from_json(cls, d: Mapping | None) -> "AccessRef | None":
+    def from_json(cls, d: Mapping | None) -> AccessRef | None:
         if d is None:
             return None
         return cls(str(d["tensor"]), int(d["index"]), str(d["op"]), float(d["time"]))
@@ -94,7 +117,7 @@ class SwapDecision:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "SwapDecision":
+    def from_json(cls, d: Mapping) -> SwapDecision:
         return cls(
             tensor=str(d["tensor"]),
             nbytes=int(d["nbytes"]),
@@ -121,7 +144,7 @@ class RecomputeDecision:
     sources: tuple[str, ...]  # tensors the replay reads that it does not produce (resident when it runs)
     replay_ops: tuple[str, ...]  # trace op names, in execution order; () when `regenerated_by` rebuilt it
     trigger: AccessRef  # on-demand: the back-access; early: an access of the op after which the replay runs
-    trigger_mode: str = ON_DEMAND
+    trigger_mode: TriggerMode = ON_DEMAND
     recompute_s: float = 0.0  # measured time of the replayed ops
     msps: float | None = None  # memory saving per second when the policy chose it (Algorithm 2)
     keeps: tuple[str, ...] = ()  # recompute targets this replay rebuilds and keeps (collective recomputation)
@@ -151,10 +174,12 @@ class RecomputeDecision:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "RecomputeDecision":
-        mode = str(d.get("trigger_mode", ON_DEMAND))
-        if mode not in (ON_DEMAND, EARLY):
-            raise PlanError(f"recompute of {d.get('tensor')!r}: unknown trigger_mode {mode!r}")
+    def from_json(cls, d: Mapping) -> RecomputeDecision:
+        try:
+            mode = TriggerMode(str(d.get("trigger_mode", ON_DEMAND)))
+        except ValueError:
+            raise PlanError(f"recompute of {d.get('tensor')!r}: unknown trigger_mode "
+                            f"{d.get('trigger_mode')!r}") from None
         return cls(
             tensor=str(d["tensor"]),
             nbytes=int(d["nbytes"]),
@@ -182,7 +207,8 @@ def decision_from_json(d: Mapping) -> Decision:
         return SwapDecision.from_json(d)
     if kind == RECOMPUTE:
         return RecomputeDecision.from_json(d)
-    raise PlanError(f"decision of {d.get('tensor')!r}: unknown kind {kind!r} (expected {SWAP!r} or {RECOMPUTE!r})")
+    raise PlanError(f"decision of {d.get('tensor')!r}: unknown kind {kind!r} "
+                    f"(expected {SWAP.value!r} or {RECOMPUTE.value!r})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +315,7 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "Plan":
+    def from_json(cls, d: Mapping) -> Plan:
         if d.get("kind") != PLAN_KIND:
             raise PlanError(f"not a capuchin_tf plan (kind != {PLAN_KIND!r})")
         if d.get("schema_version") != PLAN_SCHEMA_VERSION:
@@ -322,7 +348,7 @@ class Plan:
         pathlib.Path(path).write_text(json.dumps(self.to_json(), indent=1))
 
     @classmethod
-    def load(cls, path: str | pathlib.Path) -> "Plan":
+    def load(cls, path: str | pathlib.Path) -> Plan:
         try:
             data = json.loads(pathlib.Path(path).read_text())
         except json.JSONDecodeError as e:

@@ -22,14 +22,17 @@ SWAPPABLE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8
                               "int32", "uint32", "int64", "uint64", "bool", "complex64", "complex128"})
 # Readers that must see the original tensor: the function's results.
 DIRECT_READERS = frozenset({"_Retval"})
-MIN_HOLD_BYTES = 64 * 1024
+# Tensors a guided step hands to capuchin_tf's tensor pool (Hold/Get) are at least this large. Not to be confused
+# with the device allocator's CapuchinAllocator::kSmallPoolMaxAllocationBytes (cc/kernels/device_allocator.h), also
+# 64 KiB, which sends small allocations to a region of their own.
+GUIDED_MIN_POOLED_BYTES = 64 * 1024
 # The measured step pools smaller tensors too. It has no plan and no retry: the pool is all it has, and what the pool
-# cannot evict stays where BFC put it. LayerNorm statistics (8 KiB on the transformer) kept for the backward pass sat
-# between the freed activations and split 62 MiB of free memory into pieces under 20 MiB, so a 20 MiB logits tensor
-# did not fit at 81 MiB (2 of 4 runs); pooled, they are evicted too and the free space coalesces (6 of 6 ran).
-# Guided steps keep MIN_HOLD_BYTES: they have their plan, a retry and passive mode's rescue, and every Hold/Get pair
-# costs time at every step.
-MEASURED_MIN_HOLD_BYTES = 4 * 1024
+# cannot evict stays where BFC put it: small tensors kept for the backward pass (a LayerNorm's statistics) sit between
+# freed activations and split the free memory into pieces smaller than the next large request. Pooled, they are
+# evicted too and the free space coalesces (docs/decisions.md, "What is held and when its Gets run"). Guided steps keep
+# GUIDED_MIN_POOLED_BYTES: they have their plan, a retry and passive mode's rescue, and every Hold/Get pair costs time
+# at every step.
+MEASURED_MIN_POOLED_BYTES = 4 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,20 +43,20 @@ class PooledRead:
     gates: tuple[str, ...]
 
 
-def hold_plan(graph: GraphModel, min_bytes: int = MIN_HOLD_BYTES,
+def hold_plan(graph: GraphModel, min_bytes: int = GUIDED_MIN_POOLED_BYTES,
               order: list[str] | None = None) -> dict[str, list[PooledRead]]:
     """Tensor id -> its far readers, each with the gate of its Get.
 
     Held: transient tensors of a swappable dtype and at least `min_bytes` that capuchin_tf may manage (made and read
-    by ops that always run, GraphModel.manageable), with a far reader. A reader is far when, in the schedule estimate, at least `min_bytes` of other tensors are produced
-    between the tensor and it: memory is allocated while the tensor waits. Its Get is gated on the op just before
-    the reader in the estimate, so that it runs when the reader is about to. (Gating on the reader's other inputs
-    is not enough: the executor's ready queue is first-in first-out, and a reader ready early, a gradient's
-    BiasAddGrad for instance, still runs late; seen on ResNet50.) It also waits for the producers of the reader's
-    other inputs: the op before the reader in the estimate can run far earlier than the estimate says (a gradient op
-    that reads only forward tensors runs in the forward pass; a ReadVariableOp, at the start), and a Get gated on it
-    alone brought its tensor back there and kept it on the device from then on (the transformer's GELU input, gated on
-    the GELU derivative's Square, sat across the masked-LM head and split its free memory).
+    by ops that always run, GraphModel.manageable), with a far reader. A reader is far when, in the schedule estimate,
+    at least `min_bytes` of other tensors are produced between the tensor and it: memory is allocated while the tensor
+    waits. Its Get is gated on the op just before the reader in the estimate, so that it runs when the reader is about
+    to. (Gating on the reader's other inputs is not enough: the executor's ready queue is first-in first-out, and a
+    reader ready early, a gradient's BiasAddGrad for instance, still runs late.) It also waits for the producers of the
+    reader's other inputs: the op before the reader in the estimate can run far earlier than the estimate says (a
+    gradient op that reads only forward tensors runs in the forward pass; a ReadVariableOp, at the start), and a Get
+    gated on it alone brings its tensor back there and keeps it on the device from then on, splitting the free memory
+    of everything in between (docs/decisions.md, "What is held and when its Gets run").
     `order`: the schedule estimate (`schedule_order(graph)`), if already computed.
     """
     if order is None:

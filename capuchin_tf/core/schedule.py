@@ -8,9 +8,9 @@ order a guided step is made to follow (rewrite.apply_plan pins it with control e
 from __future__ import annotations
 
 import collections
-import math
 import heapq
-from typing import Mapping
+import math
+from collections.abc import Mapping
 
 from capuchin_tf.core.graph_model import VIEW_OPS, GraphModel, Role
 
@@ -33,9 +33,9 @@ def schedule_order(graph: GraphModel, priority: Mapping[str, float] | None = Non
     among the ready ops, the one of lowest priority first, so that the order is the measured one wherever the
     measured one is an order of the graph. Ops without a priority come first, as soon as they are ready: in a
     measured step those are the ops the profiler saw no kernel of (TensorFlow runs inexpensive kernels such as
-    Reshape inline, as soon as they are ready). Ranking them last instead held back everything behind them: on
-    ResNet50 an optimizer update measured at the end of the step ran before a gradient's Reshape and its backward
-    chain, 582 inversions in all.
+    Reshape inline, as soon as they are ready). Ranked last instead, one such op holds back everything that depends on
+    it, and ops measured much later run before it (docs/decisions.md, "The executed order is pinned to the measured
+    one").
     """
     index = {name: i for i, name in enumerate(graph.ops)}
     succ: dict[str, list[str]] = collections.defaultdict(list)
@@ -151,20 +151,20 @@ def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[
     wait for.
 
     TensorFlow's executor runs an op as soon as its inputs are ready, and a gradient op that reads nothing of the
-    backward pass is ready early: on the transformer the gradient of the masked-LM head's label gather (a dense
-    [640, 8192] UnsortedSegmentSum, 20 MiB at batch 32) reads only the labels, ran early in the forward pass and
-    waited there, so that the head held three 20 MiB tensors at once where two suffice. Such ops are deferred
-    as late as possible (in the executor's estimated order, `schedule_order`): an op X is deferred to just before its
-    first reader R, where readers deferred themselves count at their new place; it is made to wait for the last op
-    before R that neither depends on X nor is deferred nor is an optimizer op, so that it runs right before R.
+    backward pass is ready early: the gradient of a gather of labels (a dense UnsortedSegmentSum the size of the logits)
+    reads only the labels, so it runs in the forward pass and its output waits there, one more large tensor held through
+    everything in between (docs/decisions.md, "Ops outside the forward pass ready long before their readers are
+    deferred"). Such ops are deferred as late as possible (in the executor's estimated order, `schedule_order`): an op X
+    is deferred to just before its first reader R, where readers deferred themselves count at their new place; it is
+    made to wait for the last op before R that neither depends on X nor is deferred nor is an optimizer op, so that it
+    runs right before R.
 
-    X is deferred when: it is not part of the forward pass (what the step's results depend on) and the estimate runs
-    it before the forward pass's last op, not stateful
-    and not a variable write, whose outputs hold at least `min_bytes` or which reads such an op's output; at least
-    `min_bytes` of other tensors are produced between it and R; and its outputs are at least as large as the inputs
-    it would keep alive longer (read last by X, or last by ops before its new place). An early op that is not
-    deferred but reads a forward tensor of its own output's size waits for that tensor's forward readers instead.
-    Only ops that always run (control_flow.py) are deferred or gate anything.
+    X is deferred when: it is not part of the forward pass (what the step's results depend on) and the estimate runs it
+    before the forward pass's last op, not stateful and not a variable write, whose outputs hold at least `min_bytes` or
+    which reads such an op's output; at least `min_bytes` of other tensors are produced between it and R; and its
+    outputs are at least as large as the inputs it would keep alive longer (read last by X, or last by ops before its
+    new place). An early op that is not deferred but reads a forward tensor of its own output's size waits for that
+    tensor's forward readers instead. Only ops that always run (control_flow.py) are deferred or gate anything.
     Returns {X: the ops X waits for}.
     """
     order = schedule_order(graph)
@@ -194,9 +194,10 @@ def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[
 
     # The forward pass: what the step's results depend on (the loss). Ops outside it that the estimate runs before
     # its last op are early: gradient ops that read no gradient, and an optimizer's decay of its slots (rho x v reads
-    # only the slot, and the executor computes it for every variable at the start of the step: MobileNetV3Large under
-    # RMSprop held 33 MiB of them through its whole forward and backward pass). Roles by name scope would miss them
-    # (Keras names RMSprop's scope "rm_sprop", and the decay's reader also reads the gradient).
+    # only the slot, so the executor computes it for every variable at the start of the step and the results wait
+    # through the whole forward and backward pass). Roles by name scope would miss them (Keras names RMSprop's scope
+    # "rm_sprop", and the decay's reader also reads the gradient; docs/decisions.md, "Ops outside the forward pass
+    # ready long before their readers are deferred").
     results = [n for n, op in graph.ops.items() if op.type == "_Retval"]
     forward = (_data_ancestors(graph, results) if results  # a graph without results (a test's): roles by name
                else {n for n, op in graph.ops.items() if op.role == Role.FORWARD})
@@ -247,8 +248,8 @@ def deferral_gates(graph: GraphModel, min_bytes: int = DEFER_MIN_BYTES) -> dict[
         gates[name], target[name] = gate, p_r
     out = {name: (gate,) for name, gate in gates.items()}
     # An early op that reads a forward tensor as large as its output waits for that tensor's forward readers: then
-    # it reads it last and can compute in place (the transformer's Exp of the log-probabilities ran before their
-    # gather and needed a third 20 MiB buffer).
+    # it reads it last and can compute in place instead of taking a buffer of its own while the tensor still lives
+    # (an Exp of log-probabilities that runs before their other readers, for one).
     for name in early - set(gates):
         op = graph.ops[name]
         size = out_bytes(name)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from capuchin_tf.core.access_trace import Access, AccessTrace, OpRecord, TensorRecord, build_trace
 from capuchin_tf.core.graph_model import GraphModel, OpInfo, Role, TensorInfo
-from capuchin_tf.core.trace import Access, AccessTrace, OpRecord, TensorRecord, build_trace
 
 F32 = 4
 
@@ -146,7 +146,7 @@ class TraceBuilder:
         return dataclasses.replace(trace, memory_curve=curve, peak_bytes=max(b for _, b in curve))
 
 
-# ---- a small autodiff over forward layers ------------------------------------------------------------------------------
+# ---- a small autodiff over forward layers ----------------------------------------------------------------------------
 # How each forward op's gradient is formed (which forward tensors it reads):
 #   "matmul": y = f(a, b) bilinear (MatMul, Conv2D, BatchMatMul): da = g1(dy, b), db = g2(a, dy)
 #   "out":    dx = T(dy, y)  (Relu, Tanh, Softmax, Rsqrt, Sigmoid)
@@ -376,7 +376,8 @@ class ModelBuilder:
                 (g,) = self._emit(f"{p}/mul_1", "Mul", (t3, y), (n,), bw)
                 give(ins[0], g)
             elif k == "out":
-                (g,) = self._emit(f"{p}/{layer.type}Grad", f"{layer.type}Grad", (dy, y), (nb(ins[0]),), bw, shape_of=ins[0])
+                (g,) = self._emit(f"{p}/{layer.type}Grad", f"{layer.type}Grad", (dy, y), (nb(ins[0]),), bw,
+                                  shape_of=ins[0])
                 give(ins[0], g)
             elif k == "in":
                 (g,) = self._emit(f"{p}/{layer.type}Grad", "Mul", (dy, ins[0]), (nb(ins[0]),), bw, shape_of=ins[0])
@@ -454,7 +455,7 @@ class ModelBuilder:
         return self.tb.build(**kwargs)
 
 
-# ---- generators ----------------------------------------------------------------------------------------------------------
+# ---- generators ------------------------------------------------------------------------------------------------------
 def _dense(m: ModelBuilder, name: str, x: str, rows: int, k: int, n: int, act: str | None = "Relu") -> str:
     w = m.weight(f"{name}/kernel", k * n * F32)
     b = m.weight(f"{name}/bias", n * F32)
@@ -466,7 +467,8 @@ def _dense(m: ModelBuilder, name: str, x: str, rows: int, k: int, n: int, act: s
         st = m.layer(f"{name}/Tensordot/stack", "Pack", (pr,), 8, grad="none")
         out_shape = m.layer(f"{name}/Tensordot/concat", "ConcatV2", (g,), 12, grad="none")
         x = m.layer(f"{name}/Tensordot/Reshape", "Reshape", (x, st), rows * k * F32, grad="linear")
-        y = m.layer(f"{name}/Tensordot/MatMul", "MatMul", (x, w), rows * n * F32, grad="matmul", flops=2.0 * rows * k * n)
+        y = m.layer(f"{name}/Tensordot/MatMul", "MatMul", (x, w), rows * n * F32, grad="matmul",
+                    flops=2.0 * rows * k * n)
         y = m.layer(f"{name}/Tensordot", "Reshape", (y, out_shape), rows * n * F32, grad="linear")
     else:
         y = m.layer(f"{name}/MatMul", "MatMul", (x, w), rows * n * F32, grad="matmul", flops=2.0 * rows * k * n)
@@ -493,7 +495,8 @@ def linear_chain(n_layers: int = 8, batch: int = 64, width: int = 1024, **builde
 def _conv(m: ModelBuilder, name: str, x: str, batch: int, hw: int, cin: int, cout: int, k: int = 3) -> str:
     w = m.weight(f"{name}/kernel", k * k * cin * cout * F32)
     out = batch * hw * hw * cout * F32
-    return m.layer(f"{name}/Conv2D", "Conv2D", (x, w), out, grad="matmul", flops=2.0 * batch * hw * hw * cin * cout * k * k)
+    return m.layer(f"{name}/Conv2D", "Conv2D", (x, w), out, grad="matmul",
+                   flops=2.0 * batch * hw * hw * cin * cout * k * k)
 
 
 def resnet(n_blocks: int = 4, batch: int = 16, hw: int = 32, channels: int = 64, **builder) -> AccessTrace:

@@ -1,6 +1,6 @@
 """Assembles an AccessTrace from the events of one measured step. Pure Python: imports no TensorFlow.
 
-The measured step yields two streams (profile.py reads them from TensorFlow's profiler):
+The measured step yields two streams (tf/measure.py reads them from TensorFlow's profiler):
 - kernel events: each executed op's start and end;
 - allocator events: every allocation (address, bytes, the op that allocated it, whether it is an output or a
   temporary) and every free (address), with the bytes in use after it.
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from capuchin_tf.core import graph_model
+from capuchin_tf.core.access_trace import Access, AccessTrace, OpRecord, TensorRecord, build_trace
 from capuchin_tf.core.graph_model import GraphModel, split_tensor_id
-from capuchin_tf.core.trace import Access, AccessTrace, OpRecord, TensorRecord, build_trace
 
 # Ops whose output may share its input's buffer while the input lives on (no copy, no allocation): the view ops,
 # and Snapshot when it forwards.
@@ -189,7 +189,8 @@ def assemble_trace(
         if first is None:
             persistent_bytes = 0
         else:
-            persistent_bytes = first.in_use_after - first.nbytes if first.allocation else first.in_use_after + first.nbytes
+            persistent_bytes = (first.in_use_after - first.nbytes if first.allocation
+                                else first.in_use_after + first.nbytes)
 
     # Allocations per op, in time order, and the buffers they create.
     live: dict[int, _Buffer] = {}

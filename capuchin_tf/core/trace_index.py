@@ -20,8 +20,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+from capuchin_tf.core.access_trace import AccessTrace, TraceError
 from capuchin_tf.core.graph_model import Role
-from capuchin_tf.core.trace import AccessTrace, TraceError
 
 # Op types the paper and vDNN call a "layer": convolutions and matrix products, forward or backward.
 LAYER_OP_TYPES = frozenset(

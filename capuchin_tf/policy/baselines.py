@@ -30,14 +30,14 @@ import bisect
 import math
 import time
 
+from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.core.graph_model import Role
 from capuchin_tf.core.plan import ON_DEMAND, Plan, RecomputeDecision
+from capuchin_tf.core.trace_index import TraceIndex
 from capuchin_tf.policy.candidates import CandidatePair, make_context
 from capuchin_tf.policy.common import finalize, swap_decision
 from capuchin_tf.policy.recompute import RECOMPUTE_EVICTION, Residency, _ref, chain
-from capuchin_tf.core.trace import AccessTrace
-from capuchin_tf.core.trace_index import TraceIndex
 
 
 def plan_tf(trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, **options) -> Plan:
@@ -228,7 +228,8 @@ def plan_checkpoint(trace: AccessTrace, budget_bytes: int, device_model: DeviceM
         ctx,
         "checkpoint",
         decisions,
-        options={"margin_bytes": options.get("margin_bytes"), "checkpoints": len(keep), "articulation_points": len(points)},
+        options={"margin_bytes": options.get("margin_bytes"), "checkpoints": len(keep),
+                 "articulation_points": len(points)},
         started=started,
     )
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.device_model import DeviceModel
-from capuchin_tf.core.trace import AccessTrace
 from capuchin_tf.core.trace_index import TraceIndex
 
 
@@ -75,7 +75,7 @@ def make_context(
         raise ValueError(f"margin_bytes must be >= 0, got {margin_bytes!r}")
     limit = budget_bytes - margin
     peak = idx.replayed_peak()
-    target = max(int(trace.evicted_bytes), peak - limit, 0)
+    target = trace.saving_target(budget_bytes, margin, replayed_peak=peak)
     need = idx.window(limit) if peak > limit else None
     persistent = trace.persistent_bytes
     trig = idx.window(int(persistent + peak_fraction * (peak - persistent))) if peak > limit else None

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from capuchin_tf.core.plan import AccessRef, Decision, Plan, SwapDecision, options_tuple
+from capuchin_tf.core.trace_index import TraceIndex
 from capuchin_tf.policy.candidates import CandidatePair, Context
 from capuchin_tf.policy.simulator import SimulationResult, simulate
-from capuchin_tf.core.trace_index import TraceIndex
 
 
 def access_ref(idx: TraceIndex, tid: str, k: int) -> AccessRef:

@@ -1,17 +1,17 @@
 """Feedback from guided steps to the plan (paper.md §1.6). Pure Python: imports no TensorFlow.
 
-The runtime (capuchin_tf.runtime.managed_step) reads, after each guided step, which swap-ins waited for their copy (and how long)
-and which prefetched tensors passive mode evicted again before their swap-in claimed them; `move_triggers` turns
-that into the next plan.
+The runtime (capuchin_tf.runtime.managed_step) reads, after each guided step, which swap-ins waited for their copy (and
+how long) and which prefetched tensors passive mode evicted again before their swap-in claimed them; `move_triggers`
+turns that into the next plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
+from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.plan import Plan, SwapDecision
-from capuchin_tf.core.trace import AccessTrace
 
 LATE_TRIGGER_STEP = 0.05  # a late prefetch's in-trigger moves earlier by this fraction of its swap time (the paper)
 

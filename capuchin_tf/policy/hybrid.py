@@ -24,8 +24,10 @@ import bisect
 import dataclasses
 import time
 
+from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.core.plan import ON_DEMAND, Plan
+from capuchin_tf.core.trace_index import TraceIndex
 from capuchin_tf.policy.candidates import CandidatePair, candidate_pairs, make_context, recompute_pair
 from capuchin_tf.policy.common import finalize, fits, swap_decision
 from capuchin_tf.policy.recompute import (
@@ -37,10 +39,8 @@ from capuchin_tf.policy.recompute import (
     move_early,
     replay_extra_bytes,
 )
-from capuchin_tf.policy.swap import SwapOption, SwapPlanner
 from capuchin_tf.policy.simulator import InfeasiblePlanError, simulate
-from capuchin_tf.core.trace import AccessTrace
-from capuchin_tf.core.trace_index import TraceIndex
+from capuchin_tf.policy.swap import SwapOption, SwapPlanner
 
 MAX_SCAN = 16  # swap pairs evaluated per pick when looking for one that covers the predicted peak (64 was
 # slower and no better on the measured ResNet50, bert-4l and BERT-base traces: docs/results.md)
@@ -136,9 +136,9 @@ class _Hybrid:
         if a >= opt.pair.t_back:
             # The swap-out cannot end before the back-access (the link is too slow for the gap, or queued behind
             # other copies): the bytes would be off the device only while the step stalls for them, which lowers
-            # the memory at no op, and the copy would hold the link. Seen on the transformer's 20 MiB gradient of
-            # the masked-LM gather over the p100 link: swapped out and straight back in, a 150 ms stall, with every
-            # later swap-out queued behind it and still holding its device buffer when the head allocated.
+            # the memory at no op, and the copy would hold the link: every later swap-out queues behind it and
+            # keeps its device buffer meanwhile (docs/decisions.md, "A swap is chosen only if its swap-out can end
+            # before its back-access").
             return False
         if a >= window[1] or b <= window[0]:
             return False
@@ -312,9 +312,9 @@ class _Hybrid:
     def undo_replay_at_peak(self, decisions, sim) -> bool:
         """Beyond the paper: a predicted peak inside an on-demand replay (between the op before the back-access and
         the back-access itself) can be of the replay's own making: rebuilding the target needs intermediates (a
-        log-softmax needs its 20 MiB logits back) at a moment where memory is already high. The target whose replay
-        there holds the most besides itself is taken back (it stays on the device, and may still be swapped).
-        True if one was."""
+        log-softmax needs its logits back) at a moment where memory is already high. The target whose replay there
+        holds the most besides itself is taken back: it stays on the device, and may still be swapped
+        (docs/decisions.md, "A recomputation whose replay makes the predicted peak is taken back"). True if one was."""
         if self.rs is None:
             return False
         pos = _peak_op_pos(sim)

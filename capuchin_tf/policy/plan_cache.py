@@ -21,7 +21,7 @@ import pathlib
 import re
 import tempfile
 import warnings
-from typing import Mapping
+from collections.abc import Mapping
 
 from capuchin_tf.core.plan import Plan, options_tuple
 

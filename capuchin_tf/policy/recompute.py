@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from capuchin_tf.core.plan import EARLY, ON_DEMAND, AccessRef, RecomputeDecision
-from capuchin_tf.policy.candidates import CandidatePair, Context
 from capuchin_tf.core.trace_index import TraceIndex
+from capuchin_tf.policy.candidates import CandidatePair, Context
 
 SWAP_EVICTION, RECOMPUTE_EVICTION = "swap", "recompute"
 MAX_CHAIN_OPS = 4096  # a bound for baselines; the selector uses a much smaller one (max_chain_ops)
@@ -311,7 +311,8 @@ class RecomputeSelector:
                 for s in c.srcs:
                     users.get(s, set()).discard(u)
                 if ch is None or (not is_chosen and not self._small_enough(c.pair, ch[0])):
-                    if is_chosen and ch is None:  # guarded by would_break(); keep the old chain rather than lose the target
+                    # guarded by would_break(); keep the old chain rather than lose the target
+                    if is_chosen and ch is None:
                         for s in c.srcs:
                             users.setdefault(s, set()).add(u)
                         continue
@@ -365,7 +366,8 @@ def assemble(
         if t in kept_by:
             out.append(RecomputeDecision(t, p.nbytes, ev, back, (), (), back, ON_DEMAND, 0.0,
                                          (msps or {}).get(t), (), kept_by[t], 0.0,
-                                         (why + "; " if why else "") + f"rebuilt and kept by the replay of {kept_by[t]}"))
+                                         (why + "; " if why else "")
+                                         + f"rebuilt and kept by the replay of {kept_by[t]}"))
             continue
         ch = chain(idx, t, p.back_pos, resident)
         if ch is None:

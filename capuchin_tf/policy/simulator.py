@@ -29,11 +29,11 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
+from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.core.plan import EARLY, ON_DEMAND, RECOMPUTE, SWAP, Decision, Plan, RecomputeDecision, SwapDecision
-from capuchin_tf.core.trace import AccessTrace
 from capuchin_tf.core.trace_index import TraceIndex
 
 _OUT, _IN_FLIGHT, _IN = "out", "in-flight", "in"
@@ -123,7 +123,8 @@ def check_decisions(idx: TraceIndex, decisions: Iterable[Decision]) -> None:
             if ref.op != op:
                 raise InfeasiblePlanError(f"tensor {t!r}: {what} {ref.index} is made by op {op!r}, not {ref.op!r}")
         if back.index <= ev.index:
-            raise InfeasiblePlanError(f"tensor {t!r}: back-access {back.index} does not follow evicted-access {ev.index}")
+            raise InfeasiblePlanError(f"tensor {t!r}: back-access {back.index} does not follow evicted-access "
+                                      f"{ev.index}")
         if back.index > ev.index + 1:
             k = ev.index + 1
             raise InfeasiblePlanError(

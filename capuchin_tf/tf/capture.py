@@ -8,10 +8,12 @@ from the captured graph's static shapes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
 import weakref
+from collections.abc import Callable, Iterator
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, op_def_pb2, types_pb2
@@ -21,7 +23,15 @@ from tensorflow.python.framework import op_def_registry
 from tensorflow.python.ops import resource_variable_ops
 
 from capuchin_tf.core import control_flow
-from capuchin_tf.core.graph_model import GraphModel, OpInfo, Role, TensorInfo, propagate_backward_roles, tensor_id
+from capuchin_tf.core.graph_model import (
+    GraphModel,
+    OpInfo,
+    Role,
+    TensorInfo,
+    propagate_backward_roles,
+    shape_of,
+    tensor_id,
+)
 from capuchin_tf.core.schedule import is_variable_writer
 
 # Ops whose bodies run in nested functions: opaque to capuchin_tf, their inner tensors are not managed.
@@ -46,12 +56,17 @@ def concrete_step(fn, args):
         raise CaptureError(
             f"{fn!r} is not a tf.function: wrap the training step with @tf.function (or @capuchin_tf.function)"
         )
+    refuse_xla(fn)
+    return fn.get_concrete_function(*args)
+
+
+def refuse_xla(fn) -> None:
+    """Raises CaptureError when the tf.function `fn` is XLA-compiled (its private `_jit_compile`)."""
     if getattr(fn, "_jit_compile", False):
         raise CaptureError(
             "the training step is compiled with XLA (jit_compile=True): capuchin_tf's custom ops cannot run under "
             "XLA. Use jit_compile=False for the step capuchin_tf manages."
         )
-    return fn.get_concrete_function(*args)
 
 
 _NONCES = itertools.count(1 << 30)  # timeline_step values no other call uses (see optimized_graph)
@@ -71,11 +86,34 @@ def optimized_graph(concrete, args) -> graph_pb2.GraphDef:
     manager.start_cancel()
     # A config no other call uses: the function is instantiated (optimized) anew even if it ran before, and the
     # instantiation is what hands over the graph. The field set is one only DirectSession reads.
+    nonce = next(_NONCES)
+    with call_config(lambda config: setattr(config.graph_options, "timeline_step", nonce)):
+        metadata = _instantiate(ctx, manager, concrete, args, flush)
+    graph = _pick_graph(metadata, concrete.graph)
+    names = [n.name for n in graph.node]
+    if len(set(names)) != len(names):
+        raise CaptureError("the optimized graph TensorFlow returned has duplicate node names")
+    return graph
+
+
+@contextlib.contextmanager
+def call_config(edit: Callable[[config_pb2.ConfigProto], None]) -> Iterator[None]:
+    """Functions called inside run with the thread's function call options' config as `edit` changes it (the call
+    options are per call and per thread; a function is instantiated once per distinct options)."""
+    ctx = context.context()
     old = ctx.function_call_options
     config = config_pb2.ConfigProto()
     config.ParseFromString(old.config_proto_serialized or b"")
-    config.graph_options.timeline_step = next(_NONCES)
+    edit(config)
     ctx.function_call_options = context.FunctionCallOptions(executor_type=old.executor_type, config_proto=config)
+    try:
+        yield
+    finally:
+        ctx.function_call_options = old
+
+
+def _instantiate(ctx, manager, concrete, args, flush):
+    """Calls `concrete` under an already cancelled `manager` with run metadata on: its optimized graphs."""
     ctx.enable_run_metadata()
     try:
         ctx.export_run_metadata()  # drop anything collected before this call
@@ -86,22 +124,16 @@ def optimized_graph(concrete, args) -> graph_pb2.GraphDef:
         else:
             raise CaptureError("the step ran although it was cancelled before its start")
         tf.identity(flush)  # an executed eager op hands the graphs collected at instantiation to the run metadata
-        metadata = ctx.export_run_metadata()
+        return ctx.export_run_metadata()
     finally:
         ctx.disable_run_metadata()
-        ctx.function_call_options = old
-    graph = _pick_graph(metadata, concrete.graph)
-    names = [n.name for n in graph.node]
-    if len(set(names)) != len(names):
-        raise CaptureError("the optimized graph TensorFlow returned has duplicate node names")
-    return graph
 
 
 def run_with_post_optimization_graph(call, func_graph):
     """Runs `call()` once with run metadata on; returns (its result, the post-optimization GraphDef it executed).
 
     `func_graph` is the graph of the function `call` runs: run metadata can also carry graphs of other functions
-    (seen: a graph of a function run earlier in the process), so the one sharing most node names with it is taken.
+    (a function run earlier in the process, for one), so the one sharing most node names with it is taken.
     """
     ctx = context.context()
     ctx.enable_run_metadata()
@@ -171,7 +203,8 @@ def _normalize_input(name: str) -> str:
 
 def is_backward_name(node_name: str) -> bool:
     """Whether a node's name puts it in the backward pass (GradientTape's and tf.gradients' name scopes)."""
-    return node_name.startswith("gradient_tape/") or "/gradient_tape/" in node_name or node_name.startswith("gradients/")
+    return (node_name.startswith("gradient_tape/") or "/gradient_tape/" in node_name
+            or node_name.startswith("gradients/"))
 
 
 def _role(node_name: str, op_type: str, optimizer_scopes: tuple[str, ...]) -> Role:
@@ -195,7 +228,7 @@ class StaticTensor:
     shape: tf.TensorShape
 
 
-_STATIC: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STATIC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _static_of(func_graph) -> dict[str, StaticTensor]:
@@ -213,8 +246,8 @@ def refine_static(func_graph, original) -> None:
     graph `original`, tensor by tensor where the names match: shape inference on the lowered graph loses what goes
     through a loop (a Merge's input from the next iteration is not known when the Merge is inferred, so the loop's
     outputs, and everything computed from them, get unknown dimensions), while the captured graph's functional While
-    op kept them (seen: a step whose MLP follows a tf.while_loop had every activation of unknown size, so none was
-    pooled, and its measured step ran out of memory at half its transient peak)."""
+    op kept them. Without them, every activation computed from a loop's output has an unknown size and is never
+    pooled (docs/decisions.md, "Static shapes of inserted nodes come through their mirrors")."""
     table = _static_of(func_graph)
     for op in original.get_operations():
         for t in op.outputs:
@@ -241,7 +274,7 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
                 optimizer_scopes: tuple[str, ...] = ("sgd/", "adam/", "adamw/", "rmsprop/", "optimizer/")
                 ) -> GraphModel:
     """The GraphModel of a post-optimization GraphDef, edited or not. `func_graph` (the optimized graph imported,
-    `rewrite.rebuild(...).graph`) supplies static shapes (`static_tensor`)."""
+    `function_surgery.rebuild(...).graph`) supplies static shapes (`static_tensor`)."""
     nodes = list(graph_def.node)
     consumers: dict[str, list[str]] = {}
     for node in nodes:
@@ -280,7 +313,7 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
             shape, nbytes = None, -1
             static = static_tensor(func_graph, node, slot) if func_graph is not None else None
             if static is not None and static.shape.rank is not None:
-                shape = tuple(-1 if d is None else int(d) for d in static.shape.as_list())
+                shape = shape_of(static.shape.as_list())
                 dtype = static.dtype
                 if static.shape.is_fully_defined() and dtype.is_numpy_compatible and dtype != tf.string:
                     nbytes = int(static.shape.num_elements()) * dtype.size

@@ -5,7 +5,7 @@ build's initial values (`capuchin_tf.cli.models.initial_values`)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import tensorflow as tf
 

@@ -19,14 +19,11 @@ import time
 import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-from capuchin_tf.tf import capture, ops, rewrite
-from capuchin_tf.core.graph_model import fold_views, split_tensor_id
-from capuchin_tf.core.pool_plan import MEASURED_MIN_HOLD_BYTES, MIN_HOLD_BYTES, hold_plan
-from capuchin_tf.core.schedule import deferral_gates, schedule_order
-from capuchin_tf.core.trace import AccessTrace
+from capuchin_tf.core.access_trace import AccessTrace
+from capuchin_tf.core.graph_model import fold_views
 from capuchin_tf.core.trace_assembly import KernelEvent, MemoryEvent, assemble_trace, fold_pool_ops
-
-DEVICE = "CPU:0"
+from capuchin_tf.tf import capture, function_surgery, ops, rewrite
+from capuchin_tf.tf.simulated_device import DEVICE
 
 
 def _stat_value(stat, stat_metadata):
@@ -39,7 +36,8 @@ def _stat_value(stat, stat_metadata):
 ANCHOR = "capuchin_tf/clock_anchor"
 
 
-SMALL_POOL_ALLOCATOR = "capuchin_small_pool"  # the allocator wrapper's small-tensor pool (cc/kernels/device_allocator.cc)
+# The allocator wrapper's small-tensor pool (cc/kernels/device_allocator.cc).
+SMALL_POOL_ALLOCATOR = "capuchin_small_pool"
 
 
 def read_xspace(path: str) -> tuple[list[KernelEvent], list[MemoryEvent], list[int]]:
@@ -86,79 +84,21 @@ def _anchor() -> int:
         return time.monotonic_ns()
 
 
-def input_shapes(args) -> list:
-    """The static shapes of a call's tensor arguments, in the order of the function's inputs."""
-    return [t.shape for t in tf.nest.flatten(args, expand_composites=True) if isinstance(t, (tf.Tensor, tf.Variable))]
-
-
-def shapes_graph(concrete, optimized, args):
-    """The optimized graph imported with the call's input shapes: the static shape of every tensor of it, and of
-    every node capuchin_tf inserts into it later (capture.static_tensor)."""
-    shaped = rewrite.rebuild(concrete, optimized, name="capuchin_shapes", input_shapes=input_shapes(args)).graph
-    capture.refine_static(shaped, concrete.graph)
-    return shaped
-
-
-def passive_graph(concrete, args, optimized=None, shaped=None):
-    """The GraphDef of the step with passive mode's tensor pool: its optimized graph (obtained without running it,
-    unless given) with every tensor that waits while memory is allocated handed to the pool (see `pooled`).
-    `shaped`: `shapes_graph` of the optimized graph, if already made."""
-    if optimized is None:
-        optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
-    if shaped is None:
-        shaped = shapes_graph(concrete, optimized, args)
-    return pooled(optimized, shaped, min_bytes=MEASURED_MIN_HOLD_BYTES, defer=True)
-
-
-def passive_step(concrete, args, graph_def=None):
-    """The step with passive mode's tensor pool (`passive_graph`, or `graph_def` if given). Run it with
-    `rewrite.call_without_grappler` and passive mode on: it completes under a limit the plain step does not fit, as
-    long as what is not pooled fits, with the plain step's results bit for bit."""
-    if graph_def is None:
-        graph_def = passive_graph(concrete, args)
-    return rewrite.rebuild(concrete, graph_def, name="capuchin_passive_step")
-
-
-def pooled(graph_def, shaped, min_bytes: int = MIN_HOLD_BYTES, defer: bool = False):
-    """`graph_def` (the step's optimized graph, rewritten or not) with every tensor that waits while memory is
-    allocated handed to the pool (passive.hold_plan, rewrite.insert_hold_get): under passive mode the allocator can
-    evict any of them on demand. With `defer`, gradient ops ready long before they are needed first wait for the op
-    before their first reader (schedule.deferral_gates): the measured step's order, which guided steps follow.
-    `shaped`: `shapes_graph` of the optimized graph (static shapes, those of inserted nodes through their mirrors)."""
-    if defer:
-        model = capture.graph_model(graph_def, shaped)
-        graph_def = rewrite.add_gates(graph_def, deferral_gates(model), order=schedule_order(model))
-    graph = fold_views(capture.graph_model(graph_def, shaped))  # a far read through a Reshape is a far read
-    order = schedule_order(graph)
-    # Tensors a plan swaps are the plan's: their swap-out must read them directly (through a Get it would run when
-    # the Get's gate says, and the pool would keep the tensor on the device until then).
-    plan = {tid: reads for tid, reads in hold_plan(graph, min_bytes=min_bytes, order=order).items()
-            if not any(graph.ops[c].type == "Capuchin>SwapOut" for c in graph.tensors[tid].consumers)}
-    dtypes, shapes = {}, {}
-    nodes = {n.name: n for n in graph_def.node}
-    for tid in plan:
-        op, slot = split_tensor_id(tid)
-        t = capture.static_tensor(shaped, nodes[op], slot)
-        dtypes[tid] = t.dtype.name
-        shapes[tid] = None if t.shape.rank is None else tuple(-1 if d is None else d for d in t.shape.as_list())
-    return rewrite.insert_hold_get(graph_def, plan, dtypes, shapes, order=order)
-
-
 def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None = None, meta: dict | None = None,
                  keep_profile: str | None = None, graph_def=None):
     """Runs `step(*args)` once as the measured execution. Returns (outputs, AccessTrace).
 
-    `step` is a tf.function training step; `args` its inputs (tensors). The step really runs: its updates happen,
-    with the same results as a plain step. With `passive` (the default), the step runs as `passive_step` (tensors that wait
-    while memory is allocated are held by capuchin_tf's tensor pool) with passive mode on: if an allocation would fail, pooled tensors are evicted to
-    host memory and brought back when read, so the step completes under a device limit it does not fit in; the
-    trace is corrected to the ideal timeline and records the evicted bytes (the saving target). `graph_def`: the
-    passive step's graph (`passive_graph`), if already made.
+    `step` is a tf.function training step; `args` its inputs (tensors). The step really runs: its updates happen, with
+    the same results as a plain step. With `passive` (the default), the step runs as `rewrite.passive_step` (tensors
+    that wait while memory is allocated are held by capuchin_tf's tensor pool) with passive mode on: if an allocation
+    would fail, pooled tensors are evicted to host memory and brought back when read, so the step completes under a
+    device limit it does not fit in; the trace is corrected to the ideal timeline and records the evicted bytes (the
+    saving target). `graph_def`: the passive step's graph (`rewrite.passive_graph`), if already made.
     """
     concrete = capture.concrete_step(step, args)  # traces the function and refuses jit_compile
     if passive:
-        fn = passive_step(concrete, args, graph_def)
-        run, func_graph = (lambda: rewrite.call_without_grappler(fn, *args)), fn.graph
+        fn = rewrite.passive_step(concrete, args, graph_def)
+        run, func_graph = (lambda: function_surgery.call_without_grappler(fn, *args)), fn.graph
     else:
         run, func_graph = (lambda: step(*args)), concrete.graph
     logdir = keep_profile or tempfile.mkdtemp(prefix="capuchin_profile_")

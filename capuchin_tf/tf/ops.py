@@ -152,9 +152,8 @@ def set_memory_budget(nbytes: int | None) -> None:
 
 
 def drain_stalls() -> dict[str, np.ndarray]:
-    """Stalls recorded since the last drain: `start_ns`, `end_ns` (CLOCK_MONOTONIC), `bytes`, `kind` (0 passive
-    eviction, 1 a get that brought an evicted tensor back, 2 a swap-in that waited for its copy, 3 a prefetched
-    tensor evicted again before its swap-in) and `name` (the tensor, for kinds 1 to 3)."""
+    """Stalls recorded since the last drain: `start_ns`, `end_ns` (CLOCK_MONOTONIC), `bytes`, `kind` (a
+    `capuchin_tf.core.stalls.StallKind`) and `name` (the tensor; empty for a passive eviction)."""
     starts, ends, nbytes, kinds, names = _ops.capuchin_drain_stalls()
     return {"start_ns": starts.numpy(), "end_ns": ends.numpy(), "bytes": nbytes.numpy(), "kind": kinds.numpy(),
             "name": np.array([s.decode() for s in names.numpy().tolist()], dtype=object)}

@@ -12,128 +12,27 @@ named `capuchin/<kind>/<tensor>...`.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
 import warnings
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
-from tensorflow.core.protobuf import config_pb2
-from tensorflow.python.eager import context
-from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
-from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import op_def_registry
-from tensorflow.python.framework import importer
-from tensorflow.python.util import nest
-
-from capuchin_tf.tf import capture
 
 from capuchin_tf.core import control_flow
-from capuchin_tf.core.graph_model import VIEW_OPS, split_tensor_id, view_input
-from capuchin_tf.core.pool_plan import SWAPPABLE_DTYPES
-from capuchin_tf.core.schedule import guided_order
-
-class RewriteError(RuntimeError):
-    """The rewritten graph could not be built."""
+from capuchin_tf.core.graph_model import VIEW_OPS, fold_views, shape_of, split_tensor_id, tf_dims, view_input
+from capuchin_tf.core.pool_plan import GUIDED_MIN_POOLED_BYTES, MEASURED_MIN_POOLED_BYTES, SWAPPABLE_DTYPES, hold_plan
+from capuchin_tf.core.schedule import deferral_gates, guided_order, schedule_order
+from capuchin_tf.tf import capture, function_surgery
+from capuchin_tf.tf.function_surgery import RewriteError
 
 
 def safe_name(tid: str) -> str:
     """A node-name-safe form of a tensor id: 'a/b:1' -> 'a/b_1'."""
     op, slot = split_tensor_id(tid)
     return re.sub(r"[^A-Za-z0-9_./-]", "_", f"{op}_{slot}")
-
-
-def rebuild(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step",
-            input_shapes: Sequence | None = None) -> ConcreteFunction:
-    """A ConcreteFunction running `graph_def` on `concrete`'s captured variables, with `concrete`'s inputs, outputs
-    and structured outputs. `graph_def` is the post-optimization graph of `concrete` (capture.optimized_graph), as
-    is or edited: its `_Arg` nodes (by index: the user's inputs, then the captures) become the new function's
-    inputs, its `_Retval` nodes its outputs. Call the result with `call_without_grappler`: the graph is already
-    optimized, and Grappler must not rewrite the nodes capuchin_tf inserted. `input_shapes`: static shapes for the
-    user's inputs instead of the function's own (the step's real shapes, for a graph read only for its static
-    shapes, when the function's input signature leaves dimensions open)."""
-    orig = concrete.graph
-    n_user = len(orig.inputs) - len(orig.captures)
-    body = graph_pb2.GraphDef()
-    body.versions.CopyFrom(graph_def.versions)
-    body.library.CopyFrom(graph_def.library)
-    args: dict[int, str] = {}
-    rets: dict[int, str] = {}
-    for node in graph_def.node:
-        if node.op == "_Arg":
-            ph = body.node.add(name=node.name, op="Placeholder")
-            ph.attr["dtype"].CopyFrom(node.attr["T"])
-            args[node.attr["index"].i] = node.name
-        elif node.op == "_Retval":
-            rets[node.attr["index"].i] = node.input[0] if ":" in node.input[0] else f"{node.input[0]}:0"
-        else:
-            body.node.add().CopyFrom(node)
-    if sorted(args) != list(range(len(orig.inputs))) or sorted(rets) != list(range(len(orig.outputs))):
-        raise RewriteError(f"the graph has arguments {sorted(args)} and results {sorted(rets)}; the function takes "
-                           f"{len(orig.inputs)} inputs and returns {len(orig.outputs)} outputs")
-    # Control edges from arguments mean nothing in a function (arguments are ready at the start); the placeholders
-    # standing in for them are mapped away, so such edges would name a node nobody feeds.
-    arg_names = set(args.values())
-    for node in body.node:
-        kept = [i for i in node.input if not (i.startswith("^") and i[1:] in arg_names)]
-        if len(kept) != len(node.input):
-            del node.input[:]
-            node.input.extend(kept)
-
-    fg = func_graph_module.FuncGraph(name)
-    with fg.as_default():
-        input_map = {}
-        new_inputs = []
-        for i in range(n_user):
-            t = orig.inputs[i]
-            shape = t.shape if input_shapes is None else input_shapes[i]
-            ph = tf.compat.v1.placeholder(t.dtype, shape, name=f"capuchin_input_{i}")
-            new_inputs.append(ph)
-            input_map[f"{args[i]}:0"] = ph
-        for j, (external, _) in enumerate(orig.captures):
-            input_map[f"{args[n_user + j]}:0"] = fg.capture(external, name=f"capuchin_capture_{j}")
-        output_names = [rets[i] for i in range(len(rets))]
-        present = {n.name for n in body.node}
-        control_names = [op.name for op in orig.control_outputs if op.name in present]
-        try:
-            imported = importer.import_graph_def(body, input_map=input_map,
-                                                 return_elements=output_names + control_names, name="")
-        except (ValueError, tf.errors.InvalidArgumentError) as e:
-            raise RewriteError(f"the rewritten graph does not import: {e}") from e
-        outputs = imported[: len(output_names)]
-        controls = imported[len(output_names):]
-    # Inputs: the user's placeholders first, then the captures (the calling convention of a ConcreteFunction).
-    fg.inputs = new_inputs + [fg.captures[i][1] for i in range(len(fg.captures))]
-    fg.outputs = list(outputs)
-    fg.structured_outputs = nest.pack_sequence_as(orig.structured_outputs, outputs, expand_composites=True)
-    fg.control_outputs = list(controls)
-    fg.variables = orig.variables
-    fg.structured_input_signature = orig.structured_input_signature
-    return ConcreteFunction.from_func_graph(fg, concrete.function_type, attrs={})
-
-
-@contextlib.contextmanager
-def grappler_off():
-    """Functions first called inside run without Grappler (the call options are per call and per thread; a
-    function is instantiated once per distinct options, so later calls inside find the same instantiation)."""
-    ctx = context.context()
-    old = ctx.function_call_options
-    config = config_pb2.ConfigProto()
-    config.ParseFromString(old.config_proto_serialized or b"")
-    config.graph_options.rewrite_options.disable_meta_optimizer = True
-    ctx.function_call_options = context.FunctionCallOptions(executor_type=old.executor_type, config_proto=config)
-    try:
-        yield
-    finally:
-        ctx.function_call_options = old
-
-
-def call_without_grappler(fn, *args):
-    """`fn(*args)` for a function made by `rebuild`: its graph is already optimized."""
-    with grappler_off():
-        return fn(*args)
 
 
 def _attr_type(dtype) -> attr_value_pb2.AttrValue:
@@ -249,7 +148,7 @@ class GraphEditor:
 
 def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence], dtypes: Mapping[str, str],
                     shapes: Mapping[str, tuple | None], order: Sequence[str] | None = None) -> graph_pb2.GraphDef:
-    r"""Hands each tensor of `plan` (passive.hold_plan) to the pool right after it is produced; each of its far
+    r"""Hands each tensor of `plan` (pool_plan.hold_plan) to the pool right after it is produced; each of its far
     readers reads it through its own Get, which runs only after that read's gates.
 
     Before:                          After:
@@ -259,7 +158,7 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence],
     Once F has run, the pool holds t's only reference: passive mode can evict it, and the Get brings it back.
     `dtypes`/`shapes`: the tensor's dtype name and static shape (None or -1 entries where unknown). Gates that may
     not run or would close a cycle are left out (GraphEditor.add_control). `order`: the order the gates were chosen
-    in (passive.hold_plan's estimate), where they cost least to check.
+    in (pool_plan.hold_plan's estimate), where they cost least to check.
     Inserted nodes: `capuchin/hold/<tensor>`, `capuchin/get/<tensor>/<k>`, on the producer's device.
     """
     ed = GraphEditor(graph_def, order=order)
@@ -275,7 +174,7 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence],
             get = ed.add_node(f"capuchin/get/{safe_name(tid)}/{k}", "Capuchin>Get", [base], device,
                               mirrors=[_mirror(ed, tid)])
             get.attr["dtype"].CopyFrom(_attr_type(dtypes[tid]))
-            get.attr["shape"].CopyFrom(_attr_shape(None if shape is None else [None if d < 0 else d for d in shape]))
+            get.attr["shape"].CopyFrom(_attr_shape(tf_dims(shape)))
             _rewire(ed, ed.nodes[read.reader], tid, get.name, get.name)
             for g in read.gates:
                 ed.add_control(get.name, g)
@@ -320,14 +219,13 @@ def assignments_in_place(graph_def: graph_pb2.GraphDef) -> tuple[graph_pb2.Graph
     """`graph_def` with every AssignVariableOp of a dense, memcpy-able dtype made a `Capuchin>AssignInPlace` (same
     name, inputs and dtype), and the number of nodes changed.
 
-    AssignVariableOp takes over its value's buffer when nothing else holds it: the variable moves to wherever the
-    value was computed, and its old buffer is freed. Keras' SGD with momentum assigns every momentum slot that way,
-    and BatchNormalization its moving statistics: in each step of ResNet50V2 (SGD with momentum, batch 16) 273 such
-    buffers, 90.7 MiB, moved out of the run the variables were laid out in (recovery.compact_variables) and
-    scattered over the free memory (the trace's `released`; the device's memory map at the zoo's `fragmented`
-    failures). Capuchin>AssignInPlace copies the value into the variable's own buffer when nothing shares it (the
-    same bytes; a copy of the value per assignment), and otherwise into a new buffer of its own, as AssignVariableOp
-    does when it copies."""
+    AssignVariableOp takes over its value's buffer when nothing else holds it: the variable moves to wherever the value
+    was computed, and its old buffer is freed. Keras' SGD with momentum assigns every momentum slot that way, and
+    BatchNormalization its moving statistics, so in every step such buffers move out of the run the variables were laid
+    out in (recovery.compact_variables) and scatter over the free memory (the trace's `released`; docs/decisions.md,
+    "Managed steps assign variables in place"). Capuchin>AssignInPlace copies the value into the variable's own buffer
+    when nothing shares it (the same bytes; a copy of the value per assignment), and otherwise into a new buffer of its
+    own, as AssignVariableOp does when it copies."""
     out = graph_pb2.GraphDef()
     out.CopyFrom(graph_def)
     changed = 0
@@ -428,20 +326,27 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
 
     A swap of t (evicted-access E, in-trigger T, back-access B):
 
-        P --t--> E ...                    P --t--> E ...
-          \----> B                          \--> capuchin/swap_out/t --h--> capuchin/prefetch/t --h--> capuchin/swap_in/t --t'--> B
-                                            ^ (ctrl: E)                       ^ (ctrl: T)            ^ (ctrl: op before B)
+        Before:
+            P --t--> E ...
+              \----> B
+        After:
+            P --t--> E ...
+              \--> capuchin/swap_out/t --h--> capuchin/prefetch/t --h--> capuchin/swap_in/t --t'--> B
+                   ^ (ctrl: E)                ^ (ctrl: T)                ^ (ctrl: op before B)
     The swap-out runs once E is done and frees the device buffer when its copy ends; the prefetch starts the copy
     back when T is done; the swap-in, gated on the op just before B, hands the tensor to B and every later reader
     (it waits only if the prefetch is late, and counts it). Without an in-trigger (on demand) there is no prefetch
-    and the swap-in is gated on the op
-    that ran just before B in the measured step.
+    and the swap-in is gated on the op that ran just before B in the measured step.
 
     A recomputation of t from sources S by replaying ops r1..rk:
 
-        S --> r1 --> ... --> rk --t--> E ...          S --> r1 --> ... --> rk --t--> E ...
-                                 \---> B                \--> capuchin/recompute/t/r1 --> ... --> capuchin/recompute/t/rk --t'--> B
-                                                             ^ (ctrl: the trigger, or the op before B when on demand)
+        Before:
+            S --> r1 --> ... --> rk --t--> E ...
+                                     \---> B
+        After:
+            S --> r1 --> ... --> rk --t--> E ...
+              \--> capuchin/recompute/t/r1 --> ... --> capuchin/recompute/t/rk --t'--> B
+                   ^ (ctrl: the trigger, or the op before B when on demand)
     The clones read the sources (resident when they run) and each other; t' feeds B and every later reader, so the
     original t is freed after E. Targets the replay keeps (collective recomputation) are served from the same
     clones.
@@ -499,12 +404,13 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
                               mirrors=[_mirror(ed, tid)])
         swap_in.attr["dtype"].CopyFrom(_attr_type(dtypes[tid]))
         shape = shapes.get(tid)
-        swap_in.attr["shape"].CopyFrom(_attr_shape(None if shape is None else [None if x < 0 else x for x in shape]))
+        swap_in.attr["shape"].CopyFrom(_attr_shape(tf_dims(shape)))
         for r in readers:
             _rewire(ed, nodes[r], tid, swap_in.name, swap_in.name)
         # Gated like an on-demand swap-in even after a prefetch: it runs when the back-access is about to, so a
-        # swap-in that waits is a prefetch that really came late (without the gate it ran right after the prefetch
-        # and always waited: every prefetch counted as late).
+        # swap-in that waits is a prefetch that really came late (without the gate it runs right after the prefetch
+        # and always waits: every prefetch counts as late; docs/decisions.md, "A swap-in is gated on the op before
+        # its back-access").
         if before.get(back) is not None:
             ed.add_control(swap_in.name, before[back])
 
@@ -545,3 +451,63 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
         warnings.warn(f"capuchin_tf: {len(skipped)} planned swap(s) cannot follow the enforced order and were left "
                       f"out: {skipped[:3]}", RuntimeWarning, stacklevel=2)
     return ed.graph
+
+
+# ---- passive mode's tensor pool ----------------------------------------------------------------------------------
+def input_shapes(args) -> list:
+    """The static shapes of a call's tensor arguments, in the order of the function's inputs."""
+    return [t.shape for t in tf.nest.flatten(args, expand_composites=True) if isinstance(t, (tf.Tensor, tf.Variable))]
+
+
+def shapes_graph(concrete, optimized, args):
+    """The optimized graph imported with the call's input shapes: the static shape of every tensor of it, and of
+    every node capuchin_tf inserts into it later (capture.static_tensor)."""
+    shaped = function_surgery.rebuild(concrete, optimized, name="capuchin_shapes",
+                                      input_shapes=input_shapes(args)).graph
+    capture.refine_static(shaped, concrete.graph)
+    return shaped
+
+
+def passive_graph(concrete, args, optimized=None, shaped=None):
+    """The GraphDef of the step with passive mode's tensor pool: its optimized graph (obtained without running it,
+    unless given) with every tensor that waits while memory is allocated handed to the pool (see `pooled`).
+    `shaped`: `shapes_graph` of the optimized graph, if already made."""
+    if optimized is None:
+        optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
+    if shaped is None:
+        shaped = shapes_graph(concrete, optimized, args)
+    return pooled(optimized, shaped, min_bytes=MEASURED_MIN_POOLED_BYTES, defer=True)
+
+
+def passive_step(concrete, args, graph_def=None):
+    """The step with passive mode's tensor pool (`passive_graph`, or `graph_def` if given). Run it with
+    `function_surgery.call_without_grappler` and passive mode on: it completes under a limit the plain step does not
+    fit, as long as what is not pooled fits, with the plain step's results bit for bit."""
+    if graph_def is None:
+        graph_def = passive_graph(concrete, args)
+    return function_surgery.rebuild(concrete, graph_def, name="capuchin_passive_step")
+
+
+def pooled(graph_def, shaped, min_bytes: int = GUIDED_MIN_POOLED_BYTES, defer: bool = False):
+    """`graph_def` (the step's optimized graph, rewritten or not) with every tensor that waits while memory is
+    allocated handed to the pool (pool_plan.hold_plan, rewrite.insert_hold_get): under passive mode the allocator can
+    evict any of them on demand. With `defer`, gradient ops ready long before they are needed first wait for the op
+    before their first reader (schedule.deferral_gates): the measured step's order, which guided steps follow.
+    `shaped`: `shapes_graph` of the optimized graph (static shapes, those of inserted nodes through their mirrors)."""
+    if defer:
+        model = capture.graph_model(graph_def, shaped)
+        graph_def = add_gates(graph_def, deferral_gates(model), order=schedule_order(model))
+    graph = fold_views(capture.graph_model(graph_def, shaped))  # a far read through a Reshape is a far read
+    order = schedule_order(graph)
+    # Tensors a plan swaps are the plan's: their swap-out must read them directly (through a Get it would run when
+    # the Get's gate says, and the pool would keep the tensor on the device until then).
+    plan = {tid: reads for tid, reads in hold_plan(graph, min_bytes=min_bytes, order=order).items()
+            if not any(graph.ops[c].type == "Capuchin>SwapOut" for c in graph.tensors[tid].consumers)}
+    dtypes, shapes = {}, {}
+    nodes = {n.name: n for n in graph_def.node}
+    for tid in plan:
+        op, slot = split_tensor_id(tid)
+        t = capture.static_tensor(shaped, nodes[op], slot)
+        dtypes[tid] = t.dtype.name
+        shapes[tid] = shape_of(None if t.shape.rank is None else t.shape.as_list())
+    return insert_hold_get(graph_def, plan, dtypes, shapes, order=order)

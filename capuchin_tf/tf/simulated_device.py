@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 
+# The device TensorFlow's memory stats are read from: CPU:0, the simulated device.
+DEVICE = "CPU:0"
+
 
 def simulated_device_env(limit_mb: int, inter_op_threads: int | None = 1, base: dict | None = None) -> dict:
     """`base` (default: this process's environment) with CPU:0 a BFC device of `limit_mb` MiB.

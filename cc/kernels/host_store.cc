@@ -220,7 +220,7 @@ absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType
   counters_.passive_swap_ins++;
   counters_.swap_ins++;
   counters_.bytes_in += e->bytes;
-  stalls_.push_back(Stall{start, NowNs(), e->bytes, 1, e->name});
+  stalls_.push_back(Stall{start, NowNs(), e->bytes, kEvictedGet, e->name});
   *out = std::move(tensor);
   return absl::OkStatus();
 }
@@ -228,7 +228,7 @@ absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType
 void HostStore::LogWait(const Entry& e) {
   const int64_t now = NowNs();
   counters_.wait_ns += now - e.wait_start_ns;
-  stalls_.push_back(Stall{e.wait_start_ns, now, e.bytes, 2, e.name});
+  stalls_.push_back(Stall{e.wait_start_ns, now, e.bytes, kLatePrefetch, e.name});
 }
 
 int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks, bool contiguous) {
@@ -242,7 +242,7 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
     for (const auto& e : choice.chosen) {
       if (!Evict(e, choice.queued.count(e.get()) > 0, start, &drop)) freed -= e->bytes;
     }
-    if (freed > 0) stalls_.push_back(Stall{start, NowNs(), freed, 0, ""});
+    if (freed > 0) stalls_.push_back(Stall{start, NowNs(), freed, kPassiveEviction, ""});
     trace_->Evicted(bytes_needed, choice, freed, chunks, entries_, counters_.pending_copies);
   }
   drop.clear();  // frees the device buffers, outside the lock
@@ -275,7 +275,7 @@ bool HostStore::Evict(const std::shared_ptr<Entry>& e, bool queued, int64_t star
   e->prefetch_requested = false;
   if (!e->pooled) {
     counters_.guided_evictions++;
-    stalls_.push_back(Stall{start_ns, NowNs(), e->bytes, 3, e->name});
+    stalls_.push_back(Stall{start_ns, NowNs(), e->bytes, kEarlyPrefetch, e->name});
   }
   return true;
 }

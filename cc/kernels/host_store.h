@@ -44,15 +44,22 @@
 namespace tensorflow {
 namespace capuchin {
 
+// What a stall waited for. The numbers are those the DrainStalls op returns; Python reads them as
+// capuchin_tf.core.stalls.StallKind (tests/pure/test_stalls.py checks that the two lists agree).
+enum StallKind : int32_t {
+  kPassiveEviction = 0,  // passive mode evicted pooled tensors to make room for an allocation
+  kEvictedGet = 1,       // a Get brought back a tensor passive mode had evicted
+  kLatePrefetch = 2,     // a SwapIn waited for its prefetch's copy
+  kEarlyPrefetch = 3,    // a prefetched tensor was evicted again before its SwapIn (guided execution's safety net)
+};
+
 // A time interval the step spent waiting on the host store (removed from the ideal timeline).
 struct Stall {
   int64_t start_ns = 0;  // CLOCK_MONOTONIC
   int64_t end_ns = 0;
   int64_t bytes = 0;
-  // 0: passive eviction, 1: a Get brought an evicted tensor back, 2: a SwapIn waited for its copy, 3: a prefetched
-  // tensor was evicted again before its SwapIn (guided execution's safety net)
-  int32_t kind = 0;
-  std::string name;  // the tensor (kinds 1, 2 and 3)
+  int32_t kind = kPassiveEviction;  // a StallKind
+  std::string name;                 // the tensor (every kind but kPassiveEviction)
 };
 
 class HostStore {

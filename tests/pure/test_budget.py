@@ -1,4 +1,5 @@
-"""parse_budget and format_bytes (capuchin_tf.core.budget): accepted forms, rejections and their messages, round trip."""
+"""parse_budget and format_bytes (capuchin_tf.core.budget): accepted forms, rejections and their messages, round
+trip."""
 
 from __future__ import annotations
 

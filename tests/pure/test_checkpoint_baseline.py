@@ -7,10 +7,10 @@ import pytest
 from capuchin_tf.core import synthetic
 from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.core.graph_model import Role
+from capuchin_tf.core.trace_index import TraceIndex
 from capuchin_tf.policy import make_plan
 from capuchin_tf.policy.baselines import articulation_points, pure_forward_ops
 from capuchin_tf.policy.simulator import simulate
-from capuchin_tf.core.trace_index import TraceIndex
 
 NATIVE = DeviceModel.symmetric(6e9)
 MB = 1 << 20

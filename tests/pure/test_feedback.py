@@ -1,10 +1,11 @@
-"""Plan feedback (capuchin_tf.policy.feedback.move_triggers) on a synthetic trace: late prefetches move earlier, prefetches
+"""Plan feedback (capuchin_tf.policy.feedback.move_triggers) on a synthetic trace: late prefetches move earlier,
+prefetches
 evicted again move later, triggers stay between the evicted-access and the back-access, nothing else changes."""
 
 from capuchin_tf.core import synthetic
 from capuchin_tf.core.device_model import DeviceModel
-from capuchin_tf.policy.feedback import LATE_TRIGGER_STEP, move_triggers
 from capuchin_tf.policy import make_plan
+from capuchin_tf.policy.feedback import LATE_TRIGGER_STEP, move_triggers
 
 TRACE = synthetic.resnet(3)
 PLAN = make_plan(TRACE, synthetic.budget_fraction(TRACE, 0.6), "swap-only", DeviceModel.from_link("p100", TRACE))

@@ -78,7 +78,8 @@ def test_pure_layers_name_no_tensorflow_or_keras():
     wrong = []
     for module, path in _modules():
         if _layer(module) in PURE:
-            wrong += [f"{module} imports {n}" for n in _imports(path, module) if n.split(".")[0] in ("tensorflow", "keras")]
+            wrong += [f"{module} imports {n}" for n in _imports(path, module)
+                      if n.split(".")[0] in ("tensorflow", "keras")]
     assert not wrong, "\n".join(wrong)
 
 
@@ -93,7 +94,8 @@ def test_private_tensorflow_api_is_used_in_the_tensorflow_layer_only():
 def test_the_checks_can_fail(tmp_path):
     """A core module that imports the runtime and TensorFlow's private API is seen doing so."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from capuchin_tf.runtime import managed_step\n    from tensorflow.python.ops import x\n")
+    bad.write_text("def f():\n    from capuchin_tf.runtime import managed_step\n"
+                   "    from tensorflow.python.ops import x\n")
     names = _imports(bad, "capuchin_tf.core.bad")
     assert "capuchin_tf.runtime.managed_step" in names and "tensorflow.python.ops" in names
     assert LAYERS.index(_layer("capuchin_tf.runtime.managed_step")) > LAYERS.index(_layer("capuchin_tf.core.bad"))

@@ -1,4 +1,5 @@
-"""What passive mode hands to the pool and when the Gets run (capuchin_tf.core.pool_plan), and the order the measured step
+"""What passive mode hands to the pool and when the Gets run (capuchin_tf.core.pool_plan), and the order the measured
+step
 is made to follow (capuchin_tf.core.schedule): no TensorFlow."""
 
 import dataclasses
@@ -6,7 +7,7 @@ import dataclasses
 import pytest
 
 from capuchin_tf.core.graph_model import GraphModel, OpInfo, Role, TensorInfo
-from capuchin_tf.core.pool_plan import MIN_HOLD_BYTES, PooledRead, hold_plan
+from capuchin_tf.core.pool_plan import GUIDED_MIN_POOLED_BYTES, PooledRead, hold_plan
 from capuchin_tf.core.schedule import deferral_gates, schedule_order
 
 MB = 1 << 20
@@ -97,7 +98,7 @@ def test_what_is_not_held():
     plan = hold_plan(g, min_bytes=MB)
     # persistent x, a tensor under min_bytes, a dtype the host store cannot copy, a function result: not held
     assert set(plan) == set()
-    assert MIN_HOLD_BYTES >= 1024
+    assert GUIDED_MIN_POOLED_BYTES >= 1024
 
 
 def test_a_reader_is_far_only_when_memory_is_allocated_while_the_tensor_waits():

@@ -1,4 +1,5 @@
-"""The plan cache (capuchin_tf.policy.plan_cache): keys and digests, store/load round trip, unusable entries, atomic writes."""
+"""The plan cache (capuchin_tf.policy.plan_cache): keys and digests, store/load round trip, unusable entries, atomic
+writes."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import warnings
 import pytest
 
 from capuchin_tf.core import synthetic
-from capuchin_tf.policy.plan_cache import ENTRY_KIND, ENTRY_SCHEMA_VERSION, CacheKey, PlanCache, PlanCacheWarning
 from capuchin_tf.policy import make_plan
+from capuchin_tf.policy.plan_cache import ENTRY_KIND, ENTRY_SCHEMA_VERSION, CacheKey, PlanCache, PlanCacheWarning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -205,7 +206,8 @@ def test_failed_write_keeps_the_old_entry_and_no_temporary_file(tmp_path, plan, 
 
 
 def _valid_entry(key, plan) -> dict:
-    return {"kind": ENTRY_KIND, "schema_version": ENTRY_SCHEMA_VERSION, "key": key.to_json(), "plan": plan.to_json(), "extra": {}}
+    return {"kind": ENTRY_KIND, "schema_version": ENTRY_SCHEMA_VERSION, "key": key.to_json(), "plan": plan.to_json(),
+            "extra": {}}
 
 
 def _with(d: dict, **changes) -> dict:

@@ -9,15 +9,15 @@ import pytest
 from conftest import MB
 
 from capuchin_tf.core import synthetic
+from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.core.graph_model import Role
 from capuchin_tf.core.plan import Plan
+from capuchin_tf.core.trace_index import TraceIndex
 from capuchin_tf.policy import POLICIES, UnknownPolicyError, get_policy, make_plan, register_policy
 from capuchin_tf.policy.baselines import articulation_points
 from capuchin_tf.policy.candidates import candidate_pairs, make_context
 from capuchin_tf.policy.simulator import check_decisions, simulate
-from capuchin_tf.core.trace import AccessTrace
-from capuchin_tf.core.trace_index import TraceIndex
 
 NATIVE = DeviceModel.from_link("native")
 TRACES = {
@@ -293,8 +293,8 @@ MEASURED_TRANSFORMER = (pathlib.Path(__file__).parents[2] / "docs" / "results" /
 def test_the_transformer_gradient_of_the_masked_lm_gather_is_not_swapped_over_the_p100_link():
     """The measured transformer (batch 32, at 89 MiB): the gather's gradient, a dense [640, 8192] float tensor (20 MiB)
     made at step start, is read again 115 ms later, while its copy alone takes 132 ms each way over the p100 link.
-    swap-only used to take it (FT -151 ms, its in-trigger its own evicted access): swapped out and straight back in,
-    a 150 ms stall, with every later swap-out queued behind it and still on the device when the head allocated."""
+    swap-only must not take it (FT -151 ms, its in-trigger its own evicted access): swapped out and straight back in,
+    a 150 ms stall, with every later swap-out queued behind it and still on the device when the head allocates."""
     trace = AccessTrace.from_json(json.loads(gzip.decompress(MEASURED_TRANSFORMER.read_bytes())))
     plan = make_plan(trace, 89 << 20, "swap-only", DeviceModel.from_link("p100", trace))
     swapped = {d.tensor for d in plan.swaps}

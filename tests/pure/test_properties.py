@@ -11,8 +11,8 @@ from capuchin_tf.policy import POLICIES, make_plan
 from capuchin_tf.policy.candidates import candidate_pairs, make_context
 from capuchin_tf.policy.common import swap_decision
 from capuchin_tf.policy.hybrid import _Hybrid
-from capuchin_tf.policy.swap import SwapPlanner
 from capuchin_tf.policy.simulator import simulate
+from capuchin_tf.policy.swap import SwapPlanner
 
 _TRACES: dict = {}
 _CHECKED: list[int] = []

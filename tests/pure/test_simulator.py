@@ -8,9 +8,9 @@ from conftest import MB, MS
 from capuchin_tf.core import synthetic
 from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.core.plan import AccessRef, RecomputeDecision, SwapDecision
-from capuchin_tf.policy.simulator import InfeasiblePlanError, check_decisions, simulate
 from capuchin_tf.core.synthetic import TraceBuilder
 from capuchin_tf.core.trace_index import TraceIndex
+from capuchin_tf.policy.simulator import InfeasiblePlanError, check_decisions, simulate
 
 LINK = DeviceModel.symmetric(MB / MS)  # 1 MiB per ms: a 1 MiB copy takes 1 ms
 

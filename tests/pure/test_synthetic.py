@@ -3,8 +3,8 @@
 import pytest
 
 from capuchin_tf.core import synthetic
+from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.graph_model import Role
-from capuchin_tf.core.trace import AccessTrace
 from capuchin_tf.core.trace_index import TraceIndex
 
 GENERATORS = {

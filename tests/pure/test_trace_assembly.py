@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from capuchin_tf.core.access_trace import AccessTrace, TraceError
 from capuchin_tf.core.graph_model import GraphModel, GraphModelError, OpInfo, Role, TensorInfo, fold_views, view_base
-from capuchin_tf.core.trace import AccessTrace, TraceError
 from capuchin_tf.core.trace_assembly import KernelEvent, MemoryEvent, assemble_trace, fold_pool_ops
 
 MB = 1 << 20

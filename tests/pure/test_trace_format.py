@@ -8,17 +8,16 @@ import math
 import pathlib
 
 import pytest
+from conftest import paper_chain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capuchin_tf.core import synthetic
+from capuchin_tf.core.access_trace import AccessTrace, TraceError, TraceFormatError
 from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.core.graph_model import GraphModel
-from capuchin_tf.policy import make_plan
-from capuchin_tf.core.trace import AccessTrace, TraceError, TraceFormatError
 from capuchin_tf.core.trace_index import TraceIndex
-
-from conftest import paper_chain
+from capuchin_tf.policy import make_plan
 
 TRACES = pathlib.Path(__file__).parents[2] / "docs" / "results" / "traces"
 

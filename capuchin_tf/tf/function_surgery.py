@@ -1,0 +1,111 @@
+"""Function surgery: a captured step's optimized GraphDef, edited or not, back into a function on the same variables,
+and run without a second Grappler pass. The one module that builds FuncGraphs and ConcreteFunctions (private
+TensorFlow API).
+
+`rebuild(concrete, graph_def)` imports the graph into a new FuncGraph that captures the same variable handles and
+returns a ConcreteFunction with the original calling convention and outputs (docs/design/tf-notes.md, "Running a
+rewritten graph on the same variables"); `call_without_grappler` runs it without a second Grappler pass, so that the
+inserted nodes cannot change what Grappler does and the kernels are those plain TensorFlow runs (bit-for-bit results).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
+from tensorflow.python.framework import func_graph as func_graph_module
+from tensorflow.python.framework import importer
+from tensorflow.python.util import nest
+
+from capuchin_tf.tf import capture
+
+
+class RewriteError(RuntimeError):
+    """The rewritten graph could not be built."""
+
+
+def rebuild(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step",
+            input_shapes: Sequence | None = None) -> ConcreteFunction:
+    """A ConcreteFunction running `graph_def` on `concrete`'s captured variables, with `concrete`'s inputs, outputs
+    and structured outputs. `graph_def` is the post-optimization graph of `concrete` (capture.optimized_graph), as
+    is or edited: its `_Arg` nodes (by index: the user's inputs, then the captures) become the new function's
+    inputs, its `_Retval` nodes its outputs. Call the result with `call_without_grappler`: the graph is already
+    optimized, and Grappler must not rewrite the nodes capuchin_tf inserted. `input_shapes`: static shapes for the
+    user's inputs instead of the function's own (the step's real shapes, for a graph read only for its static
+    shapes, when the function's input signature leaves dimensions open)."""
+    orig = concrete.graph
+    n_user = len(orig.inputs) - len(orig.captures)
+    body = graph_pb2.GraphDef()
+    body.versions.CopyFrom(graph_def.versions)
+    body.library.CopyFrom(graph_def.library)
+    args: dict[int, str] = {}
+    rets: dict[int, str] = {}
+    for node in graph_def.node:
+        if node.op == "_Arg":
+            ph = body.node.add(name=node.name, op="Placeholder")
+            ph.attr["dtype"].CopyFrom(node.attr["T"])
+            args[node.attr["index"].i] = node.name
+        elif node.op == "_Retval":
+            rets[node.attr["index"].i] = node.input[0] if ":" in node.input[0] else f"{node.input[0]}:0"
+        else:
+            body.node.add().CopyFrom(node)
+    if sorted(args) != list(range(len(orig.inputs))) or sorted(rets) != list(range(len(orig.outputs))):
+        raise RewriteError(f"the graph has arguments {sorted(args)} and results {sorted(rets)}; the function takes "
+                           f"{len(orig.inputs)} inputs and returns {len(orig.outputs)} outputs")
+    # Control edges from arguments mean nothing in a function (arguments are ready at the start); the placeholders
+    # standing in for them are mapped away, so such edges would name a node nobody feeds.
+    arg_names = set(args.values())
+    for node in body.node:
+        kept = [i for i in node.input if not (i.startswith("^") and i[1:] in arg_names)]
+        if len(kept) != len(node.input):
+            del node.input[:]
+            node.input.extend(kept)
+
+    fg = func_graph_module.FuncGraph(name)
+    with fg.as_default():
+        input_map = {}
+        new_inputs = []
+        for i in range(n_user):
+            t = orig.inputs[i]
+            shape = t.shape if input_shapes is None else input_shapes[i]
+            ph = tf.compat.v1.placeholder(t.dtype, shape, name=f"capuchin_input_{i}")
+            new_inputs.append(ph)
+            input_map[f"{args[i]}:0"] = ph
+        for j, (external, _) in enumerate(orig.captures):
+            input_map[f"{args[n_user + j]}:0"] = fg.capture(external, name=f"capuchin_capture_{j}")
+        output_names = [rets[i] for i in range(len(rets))]
+        present = {n.name for n in body.node}
+        control_names = [op.name for op in orig.control_outputs if op.name in present]
+        try:
+            imported = importer.import_graph_def(body, input_map=input_map,
+                                                 return_elements=output_names + control_names, name="")
+        except (ValueError, tf.errors.InvalidArgumentError) as e:
+            raise RewriteError(f"the rewritten graph does not import: {e}") from e
+        outputs = imported[: len(output_names)]
+        controls = imported[len(output_names):]
+    # Inputs: the user's placeholders first, then the captures (the calling convention of a ConcreteFunction).
+    fg.inputs = new_inputs + [fg.captures[i][1] for i in range(len(fg.captures))]
+    fg.outputs = list(outputs)
+    fg.structured_outputs = nest.pack_sequence_as(orig.structured_outputs, outputs, expand_composites=True)
+    fg.control_outputs = list(controls)
+    fg.variables = orig.variables
+    fg.structured_input_signature = orig.structured_input_signature
+    return ConcreteFunction.from_func_graph(fg, concrete.function_type, attrs={})
+
+
+@contextlib.contextmanager
+def grappler_off():
+    """Functions first called inside run without Grappler (the call options are per call and per thread; a
+    function is instantiated once per distinct options, so later calls inside find the same instantiation)."""
+    with capture.call_config(lambda config: setattr(config.graph_options.rewrite_options, "disable_meta_optimizer",
+                                                      True)):
+        yield
+
+
+def call_without_grappler(fn, *args):
+    """`fn(*args)` for a function made by `rebuild`: its graph is already optimized."""
+    with grappler_off():
+        return fn(*args)
