@@ -431,8 +431,10 @@ def step_variables(name: str, train_step, layer_models, groups) -> tuple[tuple, 
     role "seed_generator". Raises RuntimeError if the step captures a resource that is not listed: everything the
     step reads or writes must be in the digest. A variable counts as written when an op other than a plain read takes
     its handle (a cond or loop that takes a handle counts as writing it)."""
-    seed_states = {id(_unwrap(g.state)) for m in layer_models for layer in m._flatten_layers()
-                   for g in _seed_generators(layer)}
+    from capuchin_tf.tf import keras_private
+
+    seed_states = {id(_unwrap(g.state)) for m in layer_models for layer in keras_private.flatten_layers(m)
+                   for g in keras_private.seed_generators(layer)}
     candidates: list[tuple[tf.Variable, str]] = []
     seen: set[int] = set()
     for group, role in groups:
@@ -556,8 +558,8 @@ def initial_values(load: Sequence[np.ndarray] | None = None) -> Iterator[list]:
     made, so a model whose variables alone fill most of the device may not build (docs/decisions.md, "Decorated runs
     build from plain TensorFlow's initial values"). Built from the host copies of another build's initial values
     (plain TensorFlow's run), each variable takes one allocation of its own size, and the runs start from the same
-    bits. Keras' private API it needs is in `capuchin_tf.tf.keras_init`."""
-    from capuchin_tf.tf import keras_init
+    bits. Keras' private API it needs is in `capuchin_tf.tf.keras_private`."""
+    from capuchin_tf.tf import keras_private
 
     made: list = []
     values = iter(load) if load is not None else None
@@ -573,18 +575,9 @@ def initial_values(load: Sequence[np.ndarray] | None = None) -> Iterator[list]:
         if tuple(value.shape) != shape or str(value.dtype) != dtype:
             raise ValueError(f"initial values: variable {len(made)} ({variable.path!r}) is {dtype}{list(shape)}, "
                              f"the value {value.dtype}{list(value.shape)}")
-        keras_init.set_initial_value(variable, value)
+        keras_private.set_initial_value(variable, value)
 
-    with keras_init.intercept_initializers(initialize):
+    with keras_private.intercept_initializers(initialize):
         yield made
     if values is not None and next(values, None) is not None:
         raise ValueError(f"initial values: more values than the {len(made)} variables built")
-
-
-def _seed_generators(layer) -> list:
-    """The Keras SeedGenerators a layer owns (Dropout, MultiHeadAttention's dropout, ...)."""
-    gens = getattr(layer, "_seed_generators", None) or []
-    own = getattr(layer, "seed_generator", None)
-    if own is not None and own not in gens:
-        gens = [*gens, own]
-    return list(gens)

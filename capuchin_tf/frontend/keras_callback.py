@@ -33,6 +33,7 @@ import tensorflow as tf
 from capuchin_tf.frontend import decorator
 from capuchin_tf.runtime.managed_step import ManagedStep
 from capuchin_tf.runtime.options import MAX_SIGNATURES
+from capuchin_tf.tf import keras_private
 
 
 class CapuchinCallback(keras.callbacks.Callback):
@@ -133,7 +134,7 @@ def _as_tensor(value):
     arrays are tensors, composite tensors stay composite."""
     if value is None or isinstance(value, tf.experimental.Optional):
         return None
-    if isinstance(value, (tf.Tensor, tf.__internal__.CompositeTensor)):
+    if keras_private.is_tensor(value):
         return value
     return tf.convert_to_tensor(value)
 

@@ -261,7 +261,8 @@ def test_every_size_on_the_command_line_takes_the_decorators_syntax_too(trace_fi
 
 
 def test_the_worker_subcommands_are_not_listed(capsys):
-    from capuchin_tf.cli.main import build_parser, main as run_main
+    from capuchin_tf.cli.main import build_parser
+    from capuchin_tf.cli.main import main as run_main
 
     assert run_main([]) == 2
     listed = capsys.readouterr().err

@@ -20,6 +20,9 @@ PURE = {"core", "policy"}
 # front ends; `__main__` is the command line.
 TOP_LEVEL = {"_version": "core", "__init__": "frontend", "_tf_api": "frontend", "__main__": "cli"}
 PRIVATE_TF = ("tensorflow.python", "tensorflow.core", "tensorflow.tsl", "keras.src")
+# Private attributes of TensorFlow and Keras objects this project uses (in the tf layer only).
+PRIVATE_ATTRIBUTES = frozenset({"__internal__", "_jit_compile", "_flatten_layers", "_seed_generators", "_initialize",
+                                "_initialize_with_initializer", "function_call_options", "_call_flat"})
 
 
 def _modules():
@@ -91,13 +94,28 @@ def test_private_tensorflow_api_is_used_in_the_tensorflow_layer_only():
     assert not wrong, "\n".join(wrong)
 
 
+def _private_attributes(path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    return [f"{path}:{n.lineno}: .{n.attr}" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr in PRIVATE_ATTRIBUTES]
+
+
+def test_private_attributes_of_tensorflow_and_keras_are_used_in_the_tensorflow_layer_only():
+    wrong = []
+    for module, path in _modules():
+        if _layer(module) != "tf":
+            wrong += _private_attributes(path)
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_checks_can_fail(tmp_path):
     """A core module that imports the runtime and TensorFlow's private API is seen doing so."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from capuchin_tf.runtime import managed_step\n"
-                   "    from tensorflow.python.ops import x\n")
+    bad.write_text("def f(fn):\n    from capuchin_tf.runtime import managed_step\n"
+                   "    from tensorflow.python.ops import x\n    return fn._jit_compile\n")
     names = _imports(bad, "capuchin_tf.core.bad")
     assert "capuchin_tf.runtime.managed_step" in names and "tensorflow.python.ops" in names
+    assert [w.rsplit(": ", 1)[1] for w in _private_attributes(bad)] == ["._jit_compile"]
     assert LAYERS.index(_layer("capuchin_tf.runtime.managed_step")) > LAYERS.index(_layer("capuchin_tf.core.bad"))
 
 
