@@ -274,6 +274,7 @@ def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_on
     from types import SimpleNamespace
 
     from capuchin_tf.runtime import managed_step
+    from capuchin_tf.runtime.signature import SignatureState
 
     step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
     step._device_model = lambda trace, state: None
@@ -290,7 +291,7 @@ def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_on
         monkeypatch.setattr(managed_step, "make_plan", make_plan)
         monkeypatch.setattr(step, "_install",
                             lambda state, args, plan, budget: installed.append((budget, plan)) or True)
-        state = managed_step.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
+        state = SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
                                        plan=SimpleNamespace(feasible=True, predicted_peak_bytes=99 * MiB),
                                        plan_budget=100 * MiB)
         return state, step._tighten(state, (), reason="out of memory")
@@ -324,7 +325,8 @@ def test_a_passive_rescue_that_runs_out_of_memory_runs_once_more_after_restoring
 
     from tensorflow.core.framework import graph_pb2
 
-    from capuchin_tf.runtime import managed_step, recovery
+    from capuchin_tf.runtime import recovery
+    from capuchin_tf.runtime.signature import SignatureState
     from capuchin_tf.tf import function_surgery
 
     step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
@@ -340,7 +342,7 @@ def test_a_passive_rescue_that_runs_out_of_memory_runs_once_more_after_restoring
     monkeypatch.setattr(function_surgery, "call_without_grappler", call)
     for fails, ok in [(1, True), (2, False)]:
         log.clear(), runs.clear()
-        state = managed_step.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
+        state = SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
                                        passive_fn="passive step", passive_def=graph_pb2.GraphDef(),
                                        writes=recovery.StateWrites({"w": (0,)}), snapshot=_fake_snapshot(log))
         if ok:
@@ -360,7 +362,9 @@ def test_a_passive_rescue_that_fails_for_split_memory_says_so(monkeypatch):
 
     from tensorflow.core.framework import graph_pb2
 
-    from capuchin_tf.runtime import managed_step, recovery
+    from capuchin_tf.runtime import recovery
+    from capuchin_tf.runtime.errors import BudgetError
+    from capuchin_tf.runtime.signature import SignatureState
     from capuchin_tf.tf import function_surgery, ops
 
     step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
@@ -380,10 +384,10 @@ def test_a_passive_rescue_that_fails_for_split_memory_says_so(monkeypatch):
 
     monkeypatch.setattr(function_surgery, "call_without_grappler", call)
     monkeypatch.setattr(ops, "allocator_stats", stats)
-    state = managed_step.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
+    state = SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
                                    passive_fn="passive step", passive_def=graph_pb2.GraphDef(),
                                    writes=recovery.StateWrites({"w": (0,)}), snapshot=_fake_snapshot([]))
-    with pytest.raises(managed_step.BudgetError, match="free memory was split: op 'conv_grad' asked for 20.0 MiB "
+    with pytest.raises(BudgetError, match="free memory was split: op 'conv_grad' asked for 20.0 MiB "
                                                   "with 30.0 MiB free, the largest free run 12.0 MiB"):
         step._passive(state, (), 2, oom)
 
@@ -443,14 +447,15 @@ def test_a_guided_step_that_no_tighter_plan_rescues_goes_back_to_the_last_plan_t
     # write restores nothing; one after a write restores what it may have written.
     from types import SimpleNamespace
 
-    from capuchin_tf.runtime import managed_step, recovery
+    from capuchin_tf.runtime import recovery
+    from capuchin_tf.runtime.signature import SignatureState
     from capuchin_tf.tf import function_surgery
 
     step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
     plan_a = SimpleNamespace(name="A", swapped_bytes=1, recomputed_bytes=0, feasible=True)
     plan_b = SimpleNamespace(name="B", swapped_bytes=2, recomputed_bytes=0, feasible=True)
     log = []
-    state = managed_step.SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB, step_time=0.0),
+    state = SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB, step_time=0.0),
                                    plan=plan_b, plan_budget=90 * MiB, fn="step B", guided_def="graph B",
                                    good=(plan_a, 95 * MiB, "step A", "graph A"), snapshot=_fake_snapshot(log),
                                    writes=recovery.StateWrites({"w": (0,)}))

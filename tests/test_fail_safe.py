@@ -254,7 +254,7 @@ def test_a_budget_below_what_the_step_needs_at_once_names_what_was_in_use():
     before = digest([w])
     budget = budget_now(transient_mib=7)  # above the MatMul's 5.8 MiB of inputs and output
     managed = capuchin_tf.function(step, memory_budget=budget)
-    with pytest.raises(managed_step.BudgetError) as caught:
+    with pytest.raises(capuchin_tf.BudgetError) as caught:
         managed(x)
     message = str(caught.value)
     assert "could not evict (" in message, message
