@@ -273,6 +273,7 @@ def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_on
     # (feasible, predicted peak) as a function of the budget; `_install` records what would be rewritten.
     from types import SimpleNamespace
 
+    from capuchin_tf.policy.feedback import TIGHTEN_PROBES
     from capuchin_tf.runtime import managed_step
     from capuchin_tf.runtime.signature import SignatureState
 
@@ -302,7 +303,7 @@ def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_on
 
     # Plans fit from 98 MiB up: bisection between 95 and 100 MiB finds the tightest of its probes that fits.
     state, changed = run(lambda b: (b >= 98 * MiB, b - MiB if b >= 98 * MiB else 130 * MiB))
-    assert changed and len(calls) == 1 + managed_step.TIGHTEN_PROBES
+    assert changed and len(calls) == 1 + TIGHTEN_PROBES
     assert installed == [(min(b for b in calls if b >= 98 * MiB), installed[0][1])]
     assert 98 * MiB <= installed[0][0] < 99 * MiB
 

@@ -1,19 +1,25 @@
 """Feedback from guided steps to the plan (paper.md §1.6). Pure Python: imports no TensorFlow.
 
 The runtime (capuchin_tf.runtime.managed_step) reads, after each guided step, which swap-ins waited for their copy (and
-how long) and which prefetched tensors passive mode evicted again before their swap-in claimed them; `move_triggers`
-turns that into the next plan.
+how long) and which prefetched tensors passive mode evicted again before their swap-in claimed them;
+`plan_after_step` (through `move_triggers`) turns that into the next plan. After an out-of-memory error or a peak
+over the budget, `tighter_plan` chooses the plan for a tighter budget. The runtime installs what these return.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.plan import Plan, SwapDecision
 
 LATE_TRIGGER_STEP = 0.05  # a late prefetch's in-trigger moves earlier by this fraction of its swap time (the paper)
+# Late prefetches re-plan only when their waits add up to this fraction of the step's time: a new plan costs a rewrite
+# and a new instantiation of the step (seconds on a large graph), more than waits of microseconds save.
+LATE_REPLAN_FRACTION = 0.05
+TIGHTEN = 0.95  # a guided step over budget, or out of memory, re-plans for this fraction of the budget in use
+TIGHTEN_PROBES = 3  # if no plan fits that budget: plans bisecting toward the current one
 
 
 def move_triggers(plan: Plan, trace: AccessTrace, earlier: Mapping[str, float], later: set[str]) -> Plan:
@@ -44,3 +50,48 @@ def move_triggers(plan: Plan, trace: AccessTrace, earlier: Mapping[str, float], 
                 changed = True
         decisions.append(d)
     return dataclasses.replace(plan, decisions=tuple(decisions)) if changed else plan
+
+
+def plan_after_step(plan: Plan, trace: AccessTrace, late: Mapping[str, float], early: set[str] | list[str],
+                    seconds: float, earlier_frozen: bool = False) -> Plan:
+    """The plan for the next guided step, from what the last one (of `seconds`) saw: `late` (tensor -> seconds its
+    swap-in waited) and `early` (prefetched tensors evicted again before their swap-in). Late prefetches count only
+    when their waits add up to LATE_REPLAN_FRACTION of the step. A prefetch evicted again came too early for the
+    memory there: its trigger moves later (beyond the paper); a late one moves earlier (the paper), unless
+    `earlier_frozen`. Eviction wins when a tensor was both. Unchanged: the same object."""
+    if sum(late.values()) < LATE_REPLAN_FRACTION * seconds:
+        late = {}
+    if not late and not early:
+        return plan
+    earlier = {} if earlier_frozen else {t: w for t, w in late.items() if t not in early}
+    return move_triggers(plan, trace, earlier=earlier, later=set(early))
+
+
+def tighter_plan(plan_for: Callable[[int], Plan], current_budget: int,
+                 current_plan: Plan | None) -> tuple[int, Plan] | None:
+    """The (budget, plan) to run after an out-of-memory error or a peak over the budget; None: keep the current plan.
+
+    The policies are greedy, so a plan for a tighter budget can be predicted far above the one that failed, even
+    infeasible (docs/decisions.md, "Out of memory in a guided step: tighten, never upward, then back to the last
+    plan that ran"). So the tightest budget of TIGHTEN x `current_budget`, then bisection toward the current one
+    (TIGHTEN_PROBES plans of `plan_for`), whose plan fits is taken; if none fits, the lowest predicted peak, if below
+    the current plan's; else None (what failed may have been a copy's timing or the allocator's layout, which vary
+    from step to step)."""
+    target = int(current_budget * TIGHTEN)
+    tried = [(target, plan_for(target))]
+    if not tried[0][1].feasible and current_plan is not None:
+        lo, hi = target, current_budget  # lo: no plan fits; hi: the plan that failed
+        for _ in range(TIGHTEN_PROBES):
+            mid = (lo + hi) // 2
+            tried.append((mid, plan_for(mid)))
+            if tried[-1][1].feasible:
+                hi = mid
+            else:
+                lo = mid
+    fitting = [(b, p) for b, p in tried if p.feasible]
+    if fitting:
+        return min(fitting, key=lambda bp: bp[0])
+    budget, plan = min(tried, key=lambda bp: bp[1].predicted_peak_bytes)
+    if current_plan is not None and plan.predicted_peak_bytes >= current_plan.predicted_peak_bytes:
+        return None
+    return budget, plan

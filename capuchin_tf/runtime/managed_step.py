@@ -62,7 +62,7 @@ from capuchin_tf.core.graph_model import fold_views, shape_of, split_tensor_id, 
 from capuchin_tf.core.plan import Plan
 from capuchin_tf.core.stalls import summarize as summarize_stalls
 from capuchin_tf.policy import POLICIES, make_plan
-from capuchin_tf.policy.feedback import move_triggers
+from capuchin_tf.policy.feedback import TIGHTEN, plan_after_step, tighter_plan
 from capuchin_tf.policy.plan_cache import CacheKey, PlanCache
 from capuchin_tf.runtime import recovery
 from capuchin_tf.runtime.errors import BudgetError, CapuchinError, Refusal, in_use_breakdown, oom_line
@@ -71,14 +71,10 @@ from capuchin_tf.runtime.signature import SignatureState, StepRecord, signature_
 from capuchin_tf.tf import capture, function_surgery, measure, ops, rewrite
 from capuchin_tf.tf.simulated_device import DEVICE
 
-TIGHTEN = 0.95  # a guided step over budget, or out of memory, re-plans for this fraction of the budget in use
-TIGHTEN_PROBES = 3  # if no plan fits that budget: plans bisecting toward the current one (ManagedStep._tighten)
 # The plain step runs unrewritten when the measured step evicted nothing and peaked under this fraction of the budget
 # (the plain executor's own order can peak higher than the measured one; docs/decisions.md, "Nothing to save").
 NOTHING_TO_SAVE = 0.85
 MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, after an out-of-memory error
-# Late prefetches re-plan only when their waits add up to this fraction of the step's time (ManagedStep._adjust).
-LATE_REPLAN_FRACTION = 0.05
 
 # One managed step at a time in a process: the profiler, the allocator's passive mode and budget, the host store's
 # link emulation and stall log are process-wide.
@@ -641,20 +637,12 @@ class ManagedStep:
                              f"{oom_line(error)}")
 
     def _tighten(self, state: SignatureState, args, reason: str) -> bool:
-        """Re-plans for a tighter budget after an out-of-memory error or a peak over the budget; True if the plan
-        changed.
-
-        The policies are greedy, so a plan for a tighter budget can be predicted far above the one that failed, even
-        infeasible (docs/decisions.md, "Out of memory in a guided step: tighten, never upward, then back to the last
-        plan that ran"). So the tightest budget of TIGHTEN, then
-        bisection toward the current one (TIGHTEN_PROBES plans), whose plan fits is taken; if none fits, the
-        lowest predicted peak, if below the current plan's; else the current plan stays and the step is retried as
-        it is (what failed may have been a copy's timing or BFC fragmentation, which vary from step to step).
-        """
+        """Re-plans for a tighter budget after an out-of-memory error or a peak over the budget (the choice:
+        policy.feedback.tighter_plan); True if the plan changed. A budget for which no tighter plan was found is not
+        searched again."""
         current = state.plan_budget or self.options.budget_bytes or state.trace.peak_bytes
-        target = int(current * TIGHTEN)
         if self.options.verbose:
-            print(f"capuchin_tf: {reason}; re-planning for {target} bytes", flush=True)
+            print(f"capuchin_tf: {reason}; re-planning for {int(current * TIGHTEN)} bytes", flush=True)
         if state.plan is not None and state.untightenable_at == current:
             if self.options.verbose:
                 print("capuchin_tf: no tighter plan fits (found before); retrying the current plan", flush=True)
@@ -664,28 +652,14 @@ class ManagedStep:
         def plan_for(budget: int) -> Plan:
             return make_plan(state.trace, budget, self.options.policy, device_model, **self.options.planner_options())
 
-        tried = [(target, plan_for(target))]
-        if not tried[0][1].feasible and state.plan is not None:
-            lo, hi = target, current  # lo: no plan fits; hi: the plan that failed
-            for _ in range(TIGHTEN_PROBES):
-                mid = (lo + hi) // 2
-                tried.append((mid, plan_for(mid)))
-                if tried[-1][1].feasible:
-                    hi = mid
-                else:
-                    lo = mid
+        choice = tighter_plan(plan_for, current, state.plan)
         state.replans += 1
-        fitting = [(b, p) for b, p in tried if p.feasible]
-        if fitting:
-            budget, plan = min(fitting, key=lambda bp: bp[0])
-        else:
-            budget, plan = min(tried, key=lambda bp: bp[1].predicted_peak_bytes)
-            if state.plan is not None and plan.predicted_peak_bytes >= state.plan.predicted_peak_bytes:
-                state.untightenable_at = current
-                if self.options.verbose:
-                    print(f"capuchin_tf: no tighter plan fits (best predicted peak "
-                          f"{plan.predicted_peak_bytes / 2**20:.1f} MiB); retrying the current plan", flush=True)
-                return False
+        if choice is None:
+            state.untightenable_at = current
+            if self.options.verbose:
+                print("capuchin_tf: no tighter plan is predicted below the current one; retrying it", flush=True)
+            return False
+        budget, plan = choice
         return self._install(state, args, plan, budget)
 
     def _back_to_good(self, state: SignatureState) -> None:
@@ -704,21 +678,13 @@ class ManagedStep:
 
     def _adjust(self, state: SignatureState, args, late: Mapping[str, float], early: list[str], peak: int,
                 seconds: float) -> bool:
-        """Feedback after a guided step; True when the plan changed (and the step was rewritten). Late prefetches
-        move triggers only when their waits add up to LATE_REPLAN_FRACTION of the step: a new plan costs a rewrite
-        and a new instantiation of the step (seconds on a large graph), more than waits of microseconds save."""
+        """Feedback after a guided step (policy.feedback.plan_after_step; a peak over the budget tightens); True when
+        the plan changed (and the step was rewritten)."""
         if state.plan is None or state.replans >= self.options.max_replans:
             return False
         if self.options.budget_bytes is not None and peak > self.options.budget_bytes and state.fn is not None:
             return self._tighten(state, args, reason=f"peak {peak} over the budget")
-        if sum(late.values()) < LATE_REPLAN_FRACTION * seconds:
-            late = {}
-        if not late and not early:
-            return False
-        # A prefetch evicted again before its use came too early for the memory there: its trigger moves later
-        # (beyond the paper); a late one moves earlier (the paper). Eviction wins when a tensor was both.
-        earlier = {} if state.earlier_frozen else {t: w for t, w in late.items() if t not in early}
-        plan = move_triggers(state.plan, state.trace, earlier=earlier, later=set(early))
+        plan = plan_after_step(state.plan, state.trace, late, early, seconds, state.earlier_frozen)
         if plan is state.plan:
             return False
         state.replans += 1

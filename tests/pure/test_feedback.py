@@ -1,6 +1,6 @@
-"""Plan feedback (capuchin_tf.policy.feedback.move_triggers) on a synthetic trace: late prefetches move earlier,
-prefetches
-evicted again move later, triggers stay between the evicted-access and the back-access, nothing else changes."""
+"""Plan feedback (capuchin_tf.policy.feedback) on a synthetic trace: late prefetches move earlier, prefetches evicted
+again move later, triggers stay between the evicted-access and the back-access, nothing else changes; the tighter
+plan after an out-of-memory error."""
 
 from capuchin_tf.core import synthetic
 from capuchin_tf.core.device_model import DeviceModel
@@ -61,3 +61,48 @@ def test_only_the_named_tensors_change():
     for t, decision in old_by.items():
         if t != d.tensor:
             assert new_by[t] == decision
+
+
+
+def test_a_tighter_plan_is_the_tightest_probe_that_fits_or_the_lowest_peak_below_the_current_one():
+    from types import SimpleNamespace
+
+    from capuchin_tf.policy.feedback import TIGHTEN_PROBES, tighter_plan
+
+    MiB = 1 << 20
+    current = SimpleNamespace(feasible=True, predicted_peak_bytes=99 * MiB)
+
+    def planner(fits_from, peak_if_not):
+        calls = []
+
+        def plan_for(budget):
+            calls.append(budget)
+            ok = budget >= fits_from
+            return SimpleNamespace(feasible=ok, predicted_peak_bytes=budget - MiB if ok else peak_if_not)
+        return plan_for, calls
+
+    plan_for, calls = planner(0, 0)  # 95% fits: taken at once
+    assert tighter_plan(plan_for, 100 * MiB, current)[0] == 95 * MiB and calls == [95 * MiB]
+    plan_for, calls = planner(98 * MiB, 130 * MiB)  # fits from 98 MiB: bisection toward 100 MiB
+    budget, plan = tighter_plan(plan_for, 100 * MiB, current)
+    assert len(calls) == 1 + TIGHTEN_PROBES and 98 * MiB <= budget < 99 * MiB and plan.feasible
+    plan_for, calls = planner(10**12, 130 * MiB)  # nothing fits, every peak above the current plan's: keep it
+    assert tighter_plan(plan_for, 100 * MiB, current) is None
+    plan_for, calls = planner(10**12, 90 * MiB)  # nothing fits, but a lower predicted peak: take it
+    assert tighter_plan(plan_for, 100 * MiB, current)[1].predicted_peak_bytes == 90 * MiB
+
+
+def test_after_a_step_small_waits_change_nothing_and_early_prefetches_win_over_late_ones():
+    from capuchin_tf.policy.feedback import plan_after_step
+
+    movable = [d for d in PREFETCHED
+               if move_triggers(PLAN, TRACE, earlier={d.tensor: d.swap_in_s}, later=set()) is not PLAN]
+    assert movable
+    t, wait = movable[0].tensor, movable[0].swap_in_s
+    step = 10 * wait  # the wait is 10% of the step: over LATE_REPLAN_FRACTION
+    assert plan_after_step(PLAN, TRACE, {t: wait}, [], seconds=1000 * wait) is PLAN  # 0.1% of the step: nothing
+    moved = plan_after_step(PLAN, TRACE, {t: wait}, [], seconds=step)
+    assert moved is not PLAN and _by_tensor(moved)[t].in_trigger.time < movable[0].in_trigger.time
+    assert plan_after_step(PLAN, TRACE, {t: wait}, [], seconds=step, earlier_frozen=True) is PLAN
+    both = plan_after_step(PLAN, TRACE, {t: wait}, [t], seconds=step)  # evicted again too: it moves later
+    assert both is PLAN or _by_tensor(both)[t].in_trigger.time >= movable[0].in_trigger.time
