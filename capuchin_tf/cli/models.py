@@ -424,6 +424,22 @@ def _check_name_and_batch(name: str, batch: int) -> None:
         raise ValueError(f"batch must be a positive integer, got {batch!r}")
 
 
+def standard_step(model, optimizer, names: tuple[str, ...], loss_fn: Callable):
+    """The plain training step over positional inputs named `names`: the loss under a GradientTape, its gradients,
+    apply_gradients, the loss returned. Builds `optimizer` on the model's trainable variables first."""
+    trainable = list(model.trainable_variables)
+    optimizer.build(trainable)
+
+    def step(*args):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(**dict(zip(names, args)))
+        grads = tape.gradient(loss, trainable)
+        optimizer.apply_gradients(zip(grads, trainable))
+        return loss
+
+    return step
+
+
 def step_variables(name: str, train_step, layer_models, groups) -> tuple[tuple, tuple, tuple, list[str]]:
     """The variables a traced step captures, each once with its role, checked: (variables, roles, written variables,
     names of listed variables the step does not use). `groups`: (variables, role) pairs in order ("trainable",
@@ -491,20 +507,10 @@ def build(name: str, batch: int, seed: int = 0) -> TrainingSetup:
     tf.config.experimental.enable_op_determinism()
 
     model, optimizer, data, loss_fn = _define(name, batch, seed)
-    trainable = list(model.trainable_variables)
-    optimizer.build(trainable)
-
     names = tuple(data)
+    step = standard_step(model, optimizer, names, loss_fn)
     inputs = tuple(tf.convert_to_tensor(data[k]) for k in names)
     input_spec = tuple(tf.TensorSpec(t.shape, t.dtype, name=k) for k, t in zip(names, inputs))
-
-    def step(*args):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(**dict(zip(names, args)))
-        grads = tape.gradient(loss, trainable)
-        optimizer.apply_gradients(zip(grads, trainable))
-        return loss
-
     train_step = tf.function(step, input_signature=input_spec, jit_compile=False, autograph=False)
 
     variables, roles, written_variables, unused = step_variables(

@@ -239,20 +239,10 @@ def _optimizer(kind: str):
 
 
 def _standard(model, optimizer, data: dict, loss_fn: Callable, extra_groups=()) -> _Spec:
-    """The plain step: forward under a GradientTape, gradients, apply_gradients, return the loss."""
-    import tensorflow as tf
+    """The plain step (models.standard_step): forward under a GradientTape, gradients, apply_gradients."""
+    from capuchin_tf.cli import models
 
-    trainable = list(model.trainable_variables)
-    optimizer.build(trainable)
-    names = tuple(data)
-
-    def step(*args):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(**dict(zip(names, args)))
-        grads = tape.gradient(loss, trainable)
-        optimizer.apply_gradients(zip(grads, trainable))
-        return loss
-
+    step = models.standard_step(model, optimizer, tuple(data), loss_fn)
     return _Spec(model, optimizer, data, step, _model_groups(model, optimizer) + list(extra_groups))
 
 
