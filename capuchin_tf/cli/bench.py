@@ -137,7 +137,8 @@ def _run_worker(a: argparse.Namespace) -> int:
         "step_peak_bytes": [], "step_s": [], "phases": [], "late_prefetches": [], "retries": [], "losses": [],
         "median_step_s": None, "samples_per_s": None, "swapped_tensors": 0, "swapped_bytes": 0,
         "recomputed_tensors": 0, "recomputed_bytes": 0, "replans": 0, "settled": None, "report": None,
-        "settled_steps": 0, "settled_median_step_s": None, "error_type": None, "error_traceback": None,
+        "settled_steps": 0, "settled_median_step_s": None, "settled_peak_bytes": None, "error_type": None,
+        "error_traceback": None,
         "capuchin_error": None, "capuchin_warnings": capuchin_warnings,
     }
     try:
@@ -218,9 +219,11 @@ def _run_worker(a: argparse.Namespace) -> int:
         # first of them (it instantiates the rewritten step), at least 3 of them.
         steps = result["report"]["steps"][:len(result["step_s"])]
         changed = [i for i, r in enumerate(steps) if r["plan_changed"] or r["retried"] or r["phase"] == "measured"]
-        after = result["step_s"][changed[-1] + 2:] if changed else result["step_s"][1:]
+        first = changed[-1] + 2 if changed else 1
+        after = result["step_s"][first:]
         result["settled_steps"] = len(after)
         result["settled_median_step_s"] = statistics.median(after) if len(after) >= 3 else None
+        result["settled_peak_bytes"] = max(result["step_peak_bytes"][first:], default=None)
     elif len(result["step_s"]) >= 4:
         result["settled_steps"] = len(result["step_s"]) - 1
         result["settled_median_step_s"] = statistics.median(result["step_s"][1:])
@@ -258,7 +261,9 @@ def batch_runs(r: dict, budget_bytes: int, clean_steps: int = 3) -> bool:
     return all(phase in ("guided", "plain") and retries == 0 for phase, retries in tail)
 
 
-def _maxbatch(a: argparse.Namespace) -> int:
+def run_maxbatch(a: argparse.Namespace) -> int:
+    """The largest batch that runs (benchmarks.md): doubling from --start, then bisecting; every trial written to
+    --json as it ends. Exit code 0 when the start batch runs."""
     if a.start < 1 or a.max_batch < a.start or a.resolution < 1:
         raise CliError("need 1 <= --start <= --max-batch and --resolution >= 1")
     if a.steps < 4:
@@ -340,6 +345,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     maxbatch.add_argument("--steps", type=int, default=6, help="steps per trial (default 6; the last 3 must be "
                                                                 "clean)")
     maxbatch.add_argument("--json", required=True, help="where to write the result")
+    from capuchin_tf.cli import suite
+
+    suite.add_arguments(sub.add_parser(
+        "suite", help="the paper's tables: throughput per policy at one budget, the largest batch per policy, the "
+                      "decorator at plain TensorFlow's largest batch; fresh process and bit check per point"))
     zoo = sub.add_parser("zoo", help="the conformance zoo: each case plain, then decorated at persistent + fraction x "
                                      "transient peak on a device of the budget and of twice it, bit for bit "
                                      "(docs/zoo.md)")
@@ -392,6 +402,60 @@ def _validate(a: argparse.Namespace) -> None:
 def _worker_args(a: argparse.Namespace, policy: str, budget_mb: int) -> list[str]:
     return ["--model", a.model, "--batch", str(a.batch), "--budget-mb", str(budget_mb), "--policy", policy,
             "--link", a.link, "--steps", str(a.steps)]
+
+
+def timing(plain: dict, managed: dict) -> dict:
+    """`managed`'s times against plain TensorFlow's (`plain`, measured in the same run): throughput over the settled
+    steps and over every step after the measured one (re-plans included), and against_prediction's figures."""
+    def ratio(key: str) -> float | None:
+        return plain[key] / managed[key] if plain.get(key) and managed.get(key) else None
+
+    return {"plain_median_step_s": plain["median_step_s"],
+            "plain_settled_median_step_s": plain["settled_median_step_s"],
+            "throughput_ratio": ratio("settled_median_step_s"), "guided_throughput_ratio": ratio("median_step_s"),
+            **against_prediction(plain, managed)}
+
+
+def against_prediction(plain: dict, managed: dict) -> dict:
+    """The policy's settled step and peak beside what its planner predicted (the plan's ratios of the trace's step,
+    times plain TensorFlow's settled step measured in the same run), and beside the plan's lower bound
+    (simulator.lower_bound_s): `overhead_vs_lower_bound` is what the schedule and the implementation cost beyond what
+    the decisions must. Timed over the settled steps, or where there are too few of them, over every step after the
+    measured one (`prediction_timed_over`). Empty for plain TensorFlow."""
+    prediction = (managed.get("report") or {}).get("prediction")
+    timed = "settled" if managed.get("settled_median_step_s") else "after the measured step"
+    key = "settled_median_step_s" if timed == "settled" else "median_step_s"
+    plain_s, step_s = plain.get(key), managed.get(key)
+    if not prediction or not plain_s or not step_s:
+        return {}
+    predicted_s = plain_s * prediction["predicted_step_ratio"]
+    bound_s = plain_s * prediction["lower_bound_ratio"]
+    peak = (managed.get("settled_peak_bytes") if timed == "settled"
+            else max(managed.get("step_peak_bytes", [])[1:], default=None))
+    return {
+        "prediction_timed_over": timed,
+        "measured_step_ratio": step_s / plain_s,
+        "predicted_step_ratio": prediction["predicted_step_ratio"],
+        "predicted_step_s": predicted_s,
+        "step_prediction_error": step_s / predicted_s - 1.0,
+        "lower_bound_ratio": prediction["lower_bound_ratio"],
+        "lower_bound_s": bound_s,
+        "overhead_vs_lower_bound": step_s / bound_s,
+        "predicted_peak_bytes": prediction["predicted_peak_bytes"],
+        "settled_peak_bytes": peak,
+        "peak_prediction_error": peak / prediction["predicted_peak_bytes"] - 1.0 if peak else None,
+    }
+
+
+def prediction_line(c: dict) -> str:
+    """One line of `against_prediction`'s figures."""
+    line = (f"step {c['measured_step_ratio']:.2f}x plain (predicted {c['predicted_step_ratio']:.2f}x, "
+            f"{c['step_prediction_error'] * 100:+.0f}%; lower bound {c['lower_bound_ratio']:.2f}x, measured "
+            f"{c['overhead_vs_lower_bound']:.2f}x the bound)")
+    if c["settled_peak_bytes"]:
+        line += (f"; peak {c['settled_peak_bytes'] / MiB:.1f} MiB (predicted {c['predicted_peak_bytes'] / MiB:.1f} "
+                 f"MiB, {c['peak_prediction_error'] * 100:+.0f}%)")
+    return line
 
 
 def _write(path: str, data: dict) -> None:
@@ -458,6 +522,10 @@ def _zoo(a: argparse.Namespace) -> int:
 def _run(a: argparse.Namespace) -> int:
     if a.action == "zoo":
         return _zoo(a)
+    if a.action == "suite":
+        from capuchin_tf.cli import suite
+
+        return suite.run(a)
     if a.action == "host-store":
         return host_store_bench.run(a)
     if a.action == "plan-table":
@@ -468,7 +536,7 @@ def _run(a: argparse.Namespace) -> int:
         a.batch = a.start
         _validate(a)
         print(f"bench maxbatch: {a.model}, policy {a.policy}, link {a.link}, {a.budget_mb} MiB device ...", flush=True)
-        return _maxbatch(a)
+        return run_maxbatch(a)
     _validate(a)
     what = f"{a.model}, batch {a.batch}, policy {a.policy}, link {a.link}"
     if a.action == "run":
@@ -481,42 +549,62 @@ def _run(a: argparse.Namespace) -> int:
         return 0 if result["ok"] else 1
 
     print(f"[1/2] plain TensorFlow, {a.device_mb} MiB device, steps: {a.steps} ...", flush=True)
-    plain = run_worker("bench-worker", _worker_args(a, "tf", a.device_mb), a.device_mb)
-    if not plain["ok"]:
-        raise CliError(f"plain TensorFlow does not run on {a.device_mb} MiB: {plain['error']} (raise --device-mb)")
+    plain = plain_run(a.model, a.batch, a.link, a.steps, a.device_mb)
     if a.transient_fraction is not None:
         a.budget_mb = fraction_budget_mb(plain["persistent_bytes"], plain["peak_bytes"], a.transient_fraction)
         print(f"  plain peak {plain['peak_bytes'] / MiB:.1f} MiB, persistent {plain['persistent_bytes'] / MiB:.1f} "
               f"MiB: budget {a.budget_mb} MiB (persistent + {a.transient_fraction:g} x transient)", flush=True)
     print(f"[2/2] policy {a.policy}, {a.budget_mb} MiB device, steps: {a.steps} ...", flush=True)
-    managed = run_worker("bench-worker", _worker_args(a, a.policy, a.budget_mb), a.budget_mb)
+    data = equal_point(plain, a.policy, a.budget_mb, a.device_mb, a.transient_fraction)
+    _write(a.json, data)
+    print(f"  result written to {a.json}")
+    return 0 if data["bitwise_equal"] else 1
+
+
+def plain_run(model: str, batch: int, link: str, steps: int, device_mb: int) -> dict:
+    """Plain TensorFlow (no decorator) in a fresh process on a device of `device_mb` MiB: the reference of
+    `equal_point`. CliError when it does not run there."""
+    plain = run_worker("bench-worker", ["--model", model, "--batch", str(batch), "--budget-mb", str(device_mb),
+                                        "--policy", "tf", "--link", link, "--steps", str(steps)], device_mb)
+    if not plain["ok"]:
+        raise CliError(f"plain TensorFlow does not run {model} b{batch} on {device_mb} MiB: {plain['error']} "
+                       "(raise --device-mb)")
+    return plain
+
+
+def equal_point(plain: dict, policy: str, budget_mb: int, device_mb: int, transient_fraction: float | None = None,
+                echo=print) -> dict:
+    """`policy` on `plain`'s model, batch, link and steps, in a fresh process on a device of `budget_mb` MiB,
+    compared with `plain` (plain_run) bit for bit (losses and every variable), timed against it, and set beside its
+    planner's prediction (against_prediction). What `bench equal` writes."""
+    args = ["--model", plain["model"], "--batch", str(plain["batch"]), "--budget-mb", str(budget_mb), "--policy",
+            policy, "--link", plain["link"], "--steps", str(plain["steps"])]
+    managed = run_worker("bench-worker", args, budget_mb)
     equal = (managed["ok"] and managed["losses_hex"] == plain["losses_hex"]
              and managed["variables_sha256"] == plain["variables_sha256"])
     meta = ("model", "batch", "policy", "link", "steps", "budget_mb", "budget_bytes", "tf_version",
             "capuchin_tf_version", "date", "machine")
-    data = {**{k: managed[k] for k in meta}, "device_mb": a.device_mb,
-            "transient_fraction": a.transient_fraction, "ok": managed["ok"],
+    data = {**{k: managed[k] for k in meta}, "device_mb": device_mb,
+            "transient_fraction": transient_fraction, "ok": managed["ok"],
             "error": managed["error"], "bitwise_equal": equal, "plain_peak_bytes": plain["peak_bytes"],
             "peak_bytes": managed["peak_bytes"], "persistent_bytes": managed["persistent_bytes"],
-            "plain_median_step_s": plain["median_step_s"], "median_step_s": managed["median_step_s"],
-            "samples_per_s": managed["samples_per_s"],
-            "plain_settled_median_step_s": plain["settled_median_step_s"],
-            "settled_median_step_s": managed["settled_median_step_s"],
-            "throughput_ratio": (plain["settled_median_step_s"] / managed["settled_median_step_s"]
-                                 if plain["settled_median_step_s"] and managed["settled_median_step_s"] else None),
-            **{k: managed[k] for k in PLAN_COUNTS}, "plain": plain,
-            "managed": managed}
-    _write(a.json, data)
-    print(f"{what}: {_summary(managed)}")
+            "median_step_s": managed["median_step_s"], "samples_per_s": managed["samples_per_s"],
+            "settled_median_step_s": managed["settled_median_step_s"], **timing(plain, managed),
+            **{k: managed[k] for k in PLAN_COUNTS}, "plain": plain, "managed": managed}
+    what = f"{plain['model']}, batch {plain['batch']}, policy {policy}, link {plain['link']}"
+    echo(f"{what}: {_summary(managed)}")
     if data["throughput_ratio"] is not None:
-        print(f"  throughput after settling: {data['throughput_ratio']:.3f}x plain TensorFlow (median step "
-              f"{managed['settled_median_step_s']:.3f} s over {managed['settled_steps']} steps, plain "
-              f"{plain['settled_median_step_s']:.3f} s)")
+        echo(f"  throughput after settling: {data['throughput_ratio']:.3f}x plain TensorFlow (median step "
+             f"{managed['settled_median_step_s']:.3f} s over {managed['settled_steps']} steps, plain "
+             f"{plain['settled_median_step_s']:.3f} s)")
+    if data["guided_throughput_ratio"] is not None:
+        echo(f"  throughput over every step after the measured one: {data['guided_throughput_ratio']:.3f}x plain")
+    if "measured_step_ratio" in data:
+        echo(f"  {data['prediction_timed_over']}: {prediction_line(data)}")
     compared = "yes" if equal else ("NO" if managed["ok"] else "not compared (the run failed)")
-    print(f"  plain TensorFlow: peak {plain['peak_bytes'] / MiB:.1f} MiB on {a.device_mb} MiB; losses and "
-          f"variables bit-for-bit equal to it: {compared}")
-    print(f"  result written to {a.json}")
-    return 0 if equal else 1
+    echo(f"  plain TensorFlow: peak {plain['peak_bytes'] / MiB:.1f} MiB on {plain['device_mb']} MiB; losses and "
+         f"variables bit-for-bit equal to it: {compared}")
+    return data
 
 
 register_subcommand("bench", _add_arguments, _run,

@@ -257,6 +257,23 @@ class Plan:
         """Predicted step time over the trace's step time, minus 1 (0.05 = 5% slower)."""
         return self.predicted_step_s / self.trace_step_s - 1.0 if self.trace_step_s > 0 else 0.0
 
+    def prediction(self, lower_bound_s: float | None = None) -> dict:
+        """What the planner predicts of a step under this plan, as ratios of the trace's step (which stands for the
+        plain step): the simulated step and peak, and `lower_bound_s` (simulator.lower_bound_s) when given. A
+        benchmark multiplies the ratios by the plain step it measured and sets them beside the measured ones."""
+        trace = self.trace_step_s
+        return {
+            "predicted_step_ratio": self.predicted_step_s / trace if trace > 0 else None,
+            "lower_bound_ratio": lower_bound_s / trace if trace > 0 and lower_bound_s is not None else None,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_stall_s": self.predicted_stall_s,
+            "predicted_recompute_s": self.predicted_recompute_s,
+            "trace_step_s": trace,
+            "feasible": self.feasible,
+            "link_d2h_bytes_per_s": self.device.d2h_bytes_per_s,
+            "link_h2d_bytes_per_s": self.device.h2d_bytes_per_s,
+        }
+
     def decision_for(self, tensor: str) -> Decision | None:
         for d in self.decisions:
             if d.tensor == tensor:

@@ -96,6 +96,23 @@ def simulate(
     return _Walk(idx, decisions, device_model).run()
 
 
+def lower_bound_s(trace: AccessTrace, plan: Plan) -> float:
+    """The least step time `plan` allows on `trace`'s clock, whatever the schedule: at least the trace's step; at
+    least the compute (the time some op of the trace runs, plus every replay, which runs its ops again on the same
+    compute); at least the busy time of each copy direction (one copy at a time per direction, at best hidden behind
+    the whole step). The simulator never predicts less (tests/pure/test_properties.py); a measured step over it is the
+    schedule's and the implementation's cost, not the decisions'."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((o.start, o.start + o.duration) for o in trace.ops):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    replays = sum(d.recompute_s for d in plan.recomputes if d.replay_ops)
+    out_busy = sum(plan.device.swap_out_time(d.nbytes) for d in plan.swaps)
+    in_busy = sum(plan.device.swap_in_time(d.nbytes) for d in plan.swaps)
+    return max(trace.step_time, busy + replays, out_busy, in_busy)
+
+
 # ---- structural checks ----------------------------------------------------------------------------------------------
 def check_decisions(idx: TraceIndex, decisions: Iterable[Decision]) -> None:
     """Checks what can be checked without running the plan. Raises InfeasiblePlanError naming the tensor."""

@@ -64,6 +64,7 @@ from capuchin_tf.core.stalls import summarize as summarize_stalls
 from capuchin_tf.policy import POLICIES, make_plan
 from capuchin_tf.policy.feedback import TIGHTEN, plan_after_step, tighter_plan
 from capuchin_tf.policy.plan_cache import CacheKey, PlanCache
+from capuchin_tf.policy.simulator import lower_bound_s
 from capuchin_tf.runtime import recovery
 from capuchin_tf.runtime.errors import BudgetError, CapuchinError, Refusal, in_use_breakdown, oom_line
 from capuchin_tf.runtime.options import Options
@@ -108,7 +109,8 @@ class ManagedStep:
         return dict(self._states)
 
     def report(self) -> dict:
-        """A JSON-able summary of every signature: plan counts, peaks, late prefetches, re-plans, settled or not."""
+        """A JSON-able summary of every signature: plan counts, peaks, late prefetches, re-plans, settled or not, and
+        what the planner predicts of a step under the current plan."""
         out = {}
         for key, st in self._states.items():
             plan = st.plan
@@ -127,6 +129,8 @@ class ManagedStep:
                 "passive_only": st.passive_only,
                 "from_cache": st.from_cache,
                 "speedup": st.speedup,
+                # the current plan's predicted step, peak and lower bound, as ratios of the trace's step
+                "prediction": plan.prediction(lower_bound_s(st.trace, plan)) if plan else None,
                 "steps": [dataclasses.asdict(r) for r in st.history],
             }
         return out

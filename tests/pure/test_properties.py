@@ -11,7 +11,7 @@ from capuchin_tf.policy import POLICIES, make_plan
 from capuchin_tf.policy.candidates import candidate_pairs, make_context
 from capuchin_tf.policy.common import swap_decision
 from capuchin_tf.policy.hybrid import _Hybrid
-from capuchin_tf.policy.simulator import simulate
+from capuchin_tf.policy.simulator import lower_bound_s, simulate
 from capuchin_tf.policy.swap import SwapPlanner
 
 _TRACES: dict = {}
@@ -50,6 +50,8 @@ def test_an_accepted_plan_simulates_at_or_under_its_budget(seed, n, frac, link, 
     else:
         assert plan.reason and any(o.name in plan.reason for o in trace.ops)
     assert sim.step_time >= trace.step_time - 1e-12  # a plan never makes the step faster
+    # nor faster than its own lower bound: compute plus replays, and each copy direction's busy time
+    assert sim.step_time >= lower_bound_s(trace, plan) * (1 - 1e-9) - 1e-12
     for d in plan.decisions:
         assert d.predicted_stall_s >= 0
 

@@ -7,10 +7,10 @@ from conftest import MB, MS
 
 from capuchin_tf.core import synthetic
 from capuchin_tf.core.device_model import DeviceModel
-from capuchin_tf.core.plan import AccessRef, RecomputeDecision, SwapDecision
+from capuchin_tf.core.plan import AccessRef, Plan, RecomputeDecision, SwapDecision
 from capuchin_tf.core.synthetic import TraceBuilder
 from capuchin_tf.core.trace_index import TraceIndex
-from capuchin_tf.policy.simulator import InfeasiblePlanError, check_decisions, simulate
+from capuchin_tf.policy.simulator import InfeasiblePlanError, check_decisions, lower_bound_s, simulate
 
 LINK = DeviceModel.symmetric(MB / MS)  # 1 MiB per ms: a 1 MiB copy takes 1 ms
 
@@ -212,3 +212,29 @@ def test_malformed_decisions_are_rejected_with_the_tensor_named():
     not_producing = recompute(t, "f2:0", 1, 2, ["f1"])
     with pytest.raises(InfeasiblePlanError, match="'f2:0': none of its replayed ops produces it"):
         check_decisions(idx, [not_producing])
+
+
+def _plan(trace, decisions, link=LINK):
+    return Plan("hand", 0, link, tuple(decisions), True, 0, 0.0, trace.step_time)
+
+
+def test_the_lower_bound_adds_replays_and_is_at_least_each_copy_directions_busy_time():
+    t = five_ops()  # 11 ms of dense compute
+    assert lower_bound_s(t, _plan(t, [])) == pytest.approx(11 * MS)
+    replay = [recompute(t, "f2:0", 1, 2, ["f2"], ["f1:0"])]
+    assert lower_bound_s(t, _plan(t, replay)) == pytest.approx(15 * MS)
+    assert simulate(t, replay, LINK).step_time == pytest.approx(15 * MS)  # on demand: the bound is reached
+    slow = DeviceModel.symmetric(MB / (20 * MS))  # a 1 MiB copy takes 20 ms, longer than the step
+    hidden = [swap(t, "a:0", 1, 2, "f1")]
+    assert lower_bound_s(t, _plan(t, hidden, slow)) == pytest.approx(20 * MS)
+    assert simulate(t, hidden, slow).step_time >= 20 * MS
+    # a hidden swap on the fast link costs nothing: the bound is the step
+    assert lower_bound_s(t, _plan(t, [swap(t, "a:0", 1, 2, "f2")])) == pytest.approx(11 * MS)
+
+
+def test_the_lower_bound_lets_idle_gaps_absorb_a_replay():
+    t = five_ops(gap_s=5 * MS)  # 11 ms of compute in a 31 ms step
+    early = [recompute(t, "a:0", 1, 2, ["a"], trigger="f2", mode="early")]
+    bound = lower_bound_s(t, _plan(t, early))
+    assert bound == pytest.approx(t.step_time) and t.step_time > 12 * MS
+    assert simulate(t, early, LINK).step_time == pytest.approx(bound)

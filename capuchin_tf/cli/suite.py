@@ -1,0 +1,392 @@
+"""`python -m capuchin_tf bench suite`: the paper's tables as one command (benchmarks.md, "Figures reported").
+
+    python -m capuchin_tf bench suite --tier quick|standard|paper [--models a,b] [--policies p,q]
+        [--sections throughput,maxbatch,decorator] [--link p100] [--fraction 0.5] [--steps 8] --out DIR
+
+Every point is a fresh process (cli/common.run_worker) and every point is compared bit for bit with plain TensorFlow
+at the same model, batch and steps (bench.equal_point). Sections, per model of the tier:
+
+- ``throughput``: plain TensorFlow on a 16 GiB device at the model's suite batch (SUITE_BATCH), then each policy at
+  persistent + --fraction x the plain transient peak, on a device of that size, on --link (default p100), then plain
+  TensorFlow again (the reference is the faster of its two runs, both recorded). Per policy: throughput against
+  plain TensorFlow, the measured step and peak beside the planner's prediction and the plan's lower bound
+  (bench.against_prediction), and whether it is bit for bit.
+- ``maxbatch``: the budget at which plain TensorFlow's largest batch is REFERENCE_BATCH (64 for the CNNs, 16 for the
+  BERTs and the transformer): plain TensorFlow's peak at that batch, rounded up to a MiB. Then the largest batch per
+  policy under it (bench maxbatch's search, from that batch up), each largest batch compared bit for bit with plain
+  TensorFlow at that batch on a 16 GiB device.
+- ``decorator``: capuchin under the same budget at plain TensorFlow's largest batch and at +20%, with the plan it
+  made there (a point whose plan is empty says so: it measures the pinned order and the pool, not a saving).
+
+Written into --out: one JSON per point (``<section>-<model>-b<batch>-<policy>-<link>.json``), ``suite.json`` (every
+row, stamped with commit, date and machine, rewritten after every point), ``suite.md`` (the tables) and, with
+matplotlib, ``throughput.png`` (throughput per policy and model, predicted beside measured), ``throughput-batch.png``
+(throughput against batch per policy, from the largest-batch searches) and ``maxbatch.png`` (largest batch per
+policy). Exit code 0 when every point that ran is bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+
+from capuchin_tf.cli.common import CliError, git_commit, machine, run_worker, whole_mib
+from capuchin_tf.core.budget import MiB, fraction_budget_mb
+from capuchin_tf.core.device_model import LINK_NAMES
+
+SECTIONS = ("throughput", "maxbatch", "decorator")
+POLICY_ORDER = ("tf", "checkpoint", "swap-all", "swap-only", "recompute-only", "capuchin")
+#: The batch of the throughput section, per model: the quick tier's test batches, the standard and paper tiers' usual
+#: benchmark batches (docs/results.md).
+SUITE_BATCH = {"mlp": 2048, "cnn": 128, "dropout-bn": 128, "transformer": 32, "resnet50": 32, "vgg16": 32,
+               "inceptionv3": 32, "densenet121": 32, "bert-4l": 16, "resnet152": 32, "inceptionresnetv2": 32,
+               "bert-base": 16}
+BIG_DEVICE_MB = 16384
+
+
+def reference_batch(model: str) -> int:
+    """The batch that is plain TensorFlow's largest at the maxbatch section's budget (benchmarks.md, "Budgets")."""
+    return 16 if model.startswith("bert") or model == "transformer" else 64
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tier", required=True, choices=("quick", "standard", "paper"))
+    p.add_argument("--models", help="comma-separated models of the tier (default: all of them)")
+    p.add_argument("--policies", default=",".join(POLICY_ORDER[1:]),
+                   help="comma-separated policies (default: every registered one but tf, which runs anyway)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    p.add_argument("--link", default="p100", help="link regime: native or p100 (default p100)")
+    p.add_argument("--fraction", type=float, default=0.5,
+                   help="throughput section: budget = persistent + this fraction of the transient peak (default 0.5)")
+    p.add_argument("--steps", type=int, default=8, help="steps per point (default 8; the first is the measured one)")
+    p.add_argument("--max-batch", type=int, default=4096, help="maxbatch section: the largest batch tried")
+    p.add_argument("--resolution", type=int, default=8, help="maxbatch section: bisection resolution (default 8)")
+    p.add_argument("--budget-mb", type=whole_mib, default=None,
+                   help="maxbatch and decorator sections: this budget instead of the one where plain TensorFlow's "
+                        "largest batch is the reference batch")
+    p.add_argument("--out", required=True, help="directory for the JSONs, the tables and the plots")
+
+
+class Suite:
+    """The rows, written to --out after every point."""
+
+    def __init__(self, a: argparse.Namespace, models: list[str], policies: list[str], sections: list[str]):
+        self.a, self.out = a, pathlib.Path(a.out)
+        self.data = {"commit": git_commit(), "date": None, "machine": machine(), "tier": a.tier, "link": a.link,
+                     "fraction": a.fraction, "steps": a.steps, "models": models, "policies": policies,
+                     "sections": sections, "command": " ".join(["python -m capuchin_tf", *sys.argv[1:]]),
+                     "throughput": [], "maxbatch": [], "decorator": []}
+
+    def point(self, section: str, row: dict, raw: dict | None = None) -> None:
+        import datetime
+
+        self.data["date"] = datetime.date.today().isoformat()
+        if raw is not None:
+            name = f"{section}-{row['model']}-b{row['batch']}-{row['policy']}-{self.a.link}.json"
+            (self.out / name).write_text(json.dumps({"commit": self.data["commit"], **raw}, indent=1))
+            row["json"] = name
+        self.data[section].append(row)
+        self.save()
+
+    def save(self) -> None:
+        (self.out / "suite.json").write_text(json.dumps(self.data, indent=1))
+        (self.out / "suite.md").write_text(markdown(self.data))
+
+
+def _row(data: dict) -> dict:
+    keys = ("model", "batch", "policy", "link", "budget_mb", "ok", "error", "bitwise_equal", "peak_bytes",
+            "plain_peak_bytes", "persistent_bytes", "throughput_ratio", "guided_throughput_ratio",
+            "prediction_timed_over", "settled_median_step_s",
+            "plain_settled_median_step_s", "swapped_tensors", "swapped_bytes", "recomputed_tensors",
+            "recomputed_bytes", "replans", "settled", "measured_step_ratio", "predicted_step_ratio",
+            "step_prediction_error", "lower_bound_ratio", "overhead_vs_lower_bound", "predicted_peak_bytes",
+            "settled_peak_bytes", "peak_prediction_error", "plain_runs_median_step_s")
+    row = {k: data.get(k) for k in keys}
+    managed = data.get("managed") or {}
+    row["phases"] = managed.get("phases")
+    row["empty_plan"] = bool(data.get("policy") != "tf" and not data.get("swapped_tensors")
+                             and not data.get("recomputed_tensors"))
+    return row
+
+
+def run(a: argparse.Namespace) -> int:
+    from capuchin_tf.cli import bench
+    from capuchin_tf.cli.models import TIERS
+    from capuchin_tf.policy import POLICIES
+
+    tier_models = list(TIERS[a.tier])
+    models = tier_models if not a.models else [m.strip() for m in a.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in tier_models]
+    if unknown:
+        raise CliError(f"not models of the {a.tier} tier: {', '.join(unknown)} (the tier: {', '.join(tier_models)})")
+    policies = [p.strip() for p in a.policies.split(",") if p.strip() and p.strip() != "tf"]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        raise CliError(f"unknown policies {', '.join(bad)}; valid: {', '.join(sorted(POLICIES))}")
+    sections = [s.strip() for s in a.sections.split(",") if s.strip()]
+    if not sections or any(s not in SECTIONS for s in sections):
+        raise CliError(f"--sections takes {', '.join(SECTIONS)}; got {a.sections!r}")
+    if a.link not in LINK_NAMES:
+        raise CliError(f"unknown link {a.link!r}; valid links: {', '.join(LINK_NAMES)}")
+    if not 0.0 < a.fraction <= 1.0:
+        raise CliError(f"--fraction must be in (0, 1], got {a.fraction}")
+    if a.steps < 4:
+        raise CliError("--steps must be at least 4 (the measured step and 3 clean steps)")
+    out = pathlib.Path(a.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"cannot write into {a.out}: {e}") from None
+    suite = Suite(a, models, policies, sections)
+    suite.save()
+    all_equal = True
+    for model in models:
+        if "throughput" in sections:
+            all_equal &= _throughput(suite, bench, model, policies)
+        if "maxbatch" in sections or "decorator" in sections:
+            all_equal &= _maxbatch(suite, bench, model, policies, sections)
+    plots = plot(suite.data, out)
+    print(markdown(suite.data))
+    print(f"suite written to {out / 'suite.json'} and {out / 'suite.md'}"
+          + (f"; plots: {', '.join(p.name for p in plots)}" if plots else "; no plots (matplotlib not installed)"))
+    return 0 if all_equal else 1
+
+
+def _equal(bench, plain: dict, policy: str, budget_mb: int) -> dict:
+    def echo(line: str) -> None:
+        print(line, flush=True)
+
+    return bench.equal_point(plain, policy, budget_mb, plain["device_mb"], echo=echo)
+
+
+def _throughput(suite: Suite, bench, model: str, policies: list[str]) -> bool:
+    a = suite.a
+    batch = SUITE_BATCH[model]
+    print(f"== throughput: {model} b{batch}, plain TensorFlow on {BIG_DEVICE_MB} MiB ...", flush=True)
+    plain = bench.plain_run(model, batch, a.link, a.steps, BIG_DEVICE_MB)
+    budget_mb = fraction_budget_mb(plain["persistent_bytes"], plain["peak_bytes"], a.fraction)
+    print(f"   budget {budget_mb} MiB (persistent + {a.fraction:g} x transient)", flush=True)
+    ok = True
+    points = []
+    for policy in policies:
+        print(f"== throughput: {model} b{batch}, {policy} at {budget_mb} MiB ...", flush=True)
+        data = _equal(bench, plain, policy, budget_mb)
+        ok &= bool(data["bitwise_equal"]) or not data["ok"]
+        points.append(data)
+    # Plain TensorFlow again, after the policies: the reference is the faster of its two runs, so that a slow spell
+    # of the shared machine during one plain run does not flatter the policies.
+    print(f"== throughput: {model} b{batch}, plain TensorFlow again ...", flush=True)
+    again = bench.plain_run(model, batch, a.link, a.steps, BIG_DEVICE_MB)
+    deterministic = (again["losses_hex"] == plain["losses_hex"]
+                     and again["variables_sha256"] == plain["variables_sha256"])
+    if not deterministic:
+        print("   plain TensorFlow's two runs differ: the step is not deterministic here", flush=True)
+    reference = min((plain, again), key=lambda r: r["settled_median_step_s"] or r["median_step_s"] or float("inf"))
+    for data in points:
+        data.update(bench.timing(reference, data["managed"]),
+                    plain_runs_median_step_s=[plain["median_step_s"], again["median_step_s"]],
+                    plain_deterministic=deterministic)
+        suite.point("throughput", _row(data), data)
+    return ok and deterministic
+
+
+def _maxbatch(suite: Suite, bench, model: str, policies: list[str], sections: list[str]) -> bool:
+    a = suite.a
+    ref = reference_batch(model)
+    budget_mb = a.budget_mb
+    if budget_mb is None:
+        budget_mb = reference_budget(bench, model, ref, a.link)
+    print(f"== maxbatch: {model} at {budget_mb} MiB", flush=True)
+    ok = True
+    found: dict[str, int | None] = {}
+    for policy in ["tf", *policies] if "maxbatch" in sections else ["tf"]:
+        path = suite.out / f"maxbatch-{model}-{policy}-{a.link}-search.json"
+        ns = argparse.Namespace(model=model, budget_mb=budget_mb, policy=policy, link=a.link, start=ref,
+                                max_batch=a.max_batch, resolution=a.resolution, steps=max(a.steps, 6),
+                                json=str(path))
+        bench.run_maxbatch(ns)
+        search = json.loads(path.read_text())
+        best = search["max_batch_found"]
+        found[policy] = best
+        row = {"model": model, "policy": policy, "link": a.link, "budget_mb": budget_mb, "reference_batch": ref,
+               "max_batch": best, "first_failing_batch": search["first_failing_batch"], "search_json": path.name,
+               "trials": [{k: t.get(k) for k in ("batch", "runs", "samples_per_s", "peak_bytes")}
+                          for t in search["trials"]],
+               "bitwise_equal": None}
+        if best is not None and policy != "tf":
+            plain = bench.plain_run(model, best, a.link, a.steps, BIG_DEVICE_MB)
+            data = _equal(bench, plain, policy, budget_mb)
+            row["bitwise_equal"] = data["bitwise_equal"]
+            ok &= bool(data["bitwise_equal"]) or not data["ok"]
+            row["batch"] = best
+            suite.point("maxbatch", row, data)
+        else:
+            suite.point("maxbatch", row)
+    if "decorator" in sections and found.get("tf"):
+        for batch in (found["tf"], math.ceil(found["tf"] * 1.2)):
+            print(f"== decorator: {model} b{batch}, capuchin at {budget_mb} MiB ...", flush=True)
+            plain = bench.plain_run(model, batch, a.link, a.steps, BIG_DEVICE_MB)
+            data = _equal(bench, plain, "capuchin", budget_mb)
+            ok &= bool(data["bitwise_equal"]) or not data["ok"]
+            row = _row(data)
+            row["of_tf_max"] = batch / found["tf"]
+            suite.point("decorator", row, data)
+    return ok
+
+
+def reference_budget(bench, model: str, ref: int, link: str) -> int:
+    """The smallest budget, in MiB, at which plain TensorFlow runs batch `ref` on a device of that size (the
+    benchmarks' budget: there plain TensorFlow's largest batch is `ref`, or a little more): from its peak on a large
+    device up, the device's own overhead (the model's initializers, BFC's chunks) included."""
+    print(f"== maxbatch: {model}: plain TensorFlow's peak at batch {ref} sets the budget ...", flush=True)
+    base = math.ceil(bench.plain_run(model, ref, link, 4, BIG_DEVICE_MB)["peak_bytes"] / MiB)
+    extra = 0
+    while extra <= max(8, base // 2):
+        budget_mb = base + extra
+        r = run_worker("bench-worker", ["--model", model, "--batch", str(ref), "--budget-mb", str(budget_mb),
+                                        "--policy", "tf", "--link", link, "--steps", "4"], budget_mb)
+        if bench.batch_runs(r, budget_mb * MiB):
+            print(f"   plain TensorFlow runs batch {ref} at {budget_mb} MiB (peak {base} MiB on a large device)",
+                  flush=True)
+            return budget_mb
+        extra = max(1, extra * 2)
+    raise CliError(f"plain TensorFlow does not run {model} b{ref} on up to {base + extra // 2} MiB (its peak on a "
+                   f"large device: {base} MiB)")
+
+
+# ---- tables and plots ------------------------------------------------------------------------------------------------
+def _f(x, fmt: str = ".2f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{fmt}}{suffix}"
+
+
+def markdown(data: dict) -> str:
+    """The suite's tables, from its JSON (no TensorFlow)."""
+    lines = [f"# bench suite: {data['tier']} tier, link {data['link']}",
+             "", f"commit {data['commit']}, {data['date']}, {data['machine'].get('cores')} cores; "
+             f"`{data['command']}`", ""]
+    if data["throughput"]:
+        lines += [f"## Throughput at persistent + {data['fraction']:g} x transient peak, {data['steps']} steps",
+                  "",
+                  "Throughput against plain TensorFlow (enough memory, same run): over every step after the measured "
+                  "one, and over the settled steps (after the last plan change, less the first). Step ratios: the "
+                  "measured one, the planner's prediction, and the plan's lower bound (docs/results.md).",
+                  "",
+                  "| model | batch | policy | budget MiB | bit for bit | throughput: guided / settled | step vs "
+                  "plain: measured / predicted / lower bound | measured / bound | peak MiB (predicted) | swapped / "
+                  "recomputed MiB | re-plans | phases |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in data["throughput"]:
+            lines.append(
+                f"| {r['model']} | {r['batch']} | {r['policy']} | {r['budget_mb']} | "
+                f"{'yes' if r['bitwise_equal'] else ('NO' if r['ok'] else 'failed: ' + str(r['error'])[:60])} | "
+                f"{_f(r['guided_throughput_ratio'], '.3f', 'x')} / {_f(r['throughput_ratio'], '.3f', 'x')} | "
+                f"{_f(r['measured_step_ratio'])} / "
+                f"{_f(r['predicted_step_ratio'])} / {_f(r['lower_bound_ratio'])} | "
+                f"{_f(r['overhead_vs_lower_bound'])} | "
+                f"{_f(r['settled_peak_bytes'] and r['settled_peak_bytes'] / MiB, '.1f')} "
+                f"({_f(r['predicted_peak_bytes'] and r['predicted_peak_bytes'] / MiB, '.1f')}) | "
+                f"{(r['swapped_bytes'] or 0) / MiB:.1f} / {(r['recomputed_bytes'] or 0) / MiB:.1f}"
+                f"{' (empty plan)' if r['empty_plan'] else ''} | {r['replans']} | "
+                f"{','.join(p[0] for p in (r['phases'] or []))} |")
+        lines.append("")
+    if data["maxbatch"]:
+        lines += ["## Largest batch", "",
+                  "| model | budget MiB | policy | largest batch | vs tf | first failing | bit for bit at it |",
+                  "|---|---|---|---|---|---|---|"]
+        tf_best = {r["model"]: r["max_batch"] for r in data["maxbatch"] if r["policy"] == "tf"}
+        for r in data["maxbatch"]:
+            base = tf_best.get(r["model"])
+            ratio = r["max_batch"] / base if r["max_batch"] and base else None
+            lines.append(f"| {r['model']} | {r['budget_mb']} | {r['policy']} | {_f(r['max_batch'], 'd')} | "
+                         f"{_f(ratio, '.2f', 'x')} | {_f(r['first_failing_batch'], 'd')} | "
+                         f"{'-' if r['bitwise_equal'] is None else ('yes' if r['bitwise_equal'] else 'NO')} |")
+        lines.append("")
+    if data["decorator"]:
+        lines += ["## The decorator at plain TensorFlow's largest batch and +20%", "",
+                  "| model | batch | of tf's largest | budget MiB | bit for bit | throughput vs plain (enough memory) "
+                  "| swapped / recomputed MiB |", "|---|---|---|---|---|---|---|"]
+        for r in data["decorator"]:
+            lines.append(f"| {r['model']} | {r['batch']} | {r['of_tf_max']:.2f} | {r['budget_mb']} | "
+                         f"{'yes' if r['bitwise_equal'] else 'NO'} | {_f(r['throughput_ratio'], '.3f', 'x')} | "
+                         f"{(r['swapped_bytes'] or 0) / MiB:.1f} / {(r['recomputed_bytes'] or 0) / MiB:.1f}"
+                         f"{' (**empty plan**)' if r['empty_plan'] else ''} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(data: dict, out: pathlib.Path) -> list[pathlib.Path]:
+    """The suite's plots (matplotlib, an optional extra); [] without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    rows = data["throughput"]
+    if rows:
+        models = list(dict.fromkeys(r["model"] for r in rows))
+        policies = [p for p in POLICY_ORDER if any(r["policy"] == p for r in rows)]
+        width = 0.8 / max(len(policies), 1)
+        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(models) * max(len(policies), 1) / 3), 4))
+        for j, policy in enumerate(policies):
+            xs, measured, predicted = [], [], []
+            for i, m in enumerate(models):
+                r = next((r for r in rows if r["model"] == m and r["policy"] == policy), None)
+                if r is None:
+                    continue
+                xs.append(i + (j - (len(policies) - 1) / 2) * width)
+                measured.append(r["guided_throughput_ratio"] or 0.0)
+                predicted.append(1 / r["predicted_step_ratio"] if r["predicted_step_ratio"] else float("nan"))
+            ax.bar(xs, measured, width, label=policy)
+            ax.plot(xs, predicted, "k_", markersize=12)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(models)), models)
+        ax.set_ylabel("throughput / plain TensorFlow (bars measured, - predicted)")
+        ax.set_title(f"{data['tier']} tier, {data['link']} link, budget persistent + {data['fraction']:g} x transient")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out / "throughput.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    rows = data["maxbatch"]
+    if rows:
+        models = list(dict.fromkeys(r["model"] for r in rows))
+        fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+        for ax, m in zip(axes[0], models):
+            for r in (r for r in rows if r["model"] == m):
+                pts = sorted((t["batch"], t["samples_per_s"]) for t in r["trials"] if t["runs"] and t["samples_per_s"])
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=r["policy"])
+            ax.set_xlabel("batch")
+            ax.set_ylabel("samples/s")
+            ax.set_title(f"{m} at {rows[0]['budget_mb']} MiB")
+            if ax.get_lines():
+                ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out / "throughput-batch.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(max(6, 2 * len(models)), 4))
+        policies = [p for p in POLICY_ORDER if any(r["policy"] == p for r in rows)]
+        width = 0.8 / max(len(policies), 1)
+        for j, policy in enumerate(policies):
+            xs, ys = [], []
+            for i, m in enumerate(models):
+                r = next((r for r in rows if r["model"] == m and r["policy"] == policy), None)
+                if r is not None:
+                    xs.append(i + (j - (len(policies) - 1) / 2) * width)
+                    ys.append(r["max_batch"] or 0)
+            ax.bar(xs, ys, width, label=policy)
+        ax.set_xticks(range(len(models)), models)
+        ax.set_ylabel("largest batch")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out / "maxbatch.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written

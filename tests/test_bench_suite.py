@@ -1,0 +1,99 @@
+"""`python -m capuchin_tf bench suite`: argument checks, the tables and the prediction columns, and one real point.
+
+The workers run in fresh processes on their own simulated device (cli/common.run_worker), whatever this process's.
+"""
+
+import json
+
+import pytest
+
+from capuchin_tf.cli import main, suite
+from capuchin_tf.cli.bench import against_prediction
+from capuchin_tf.core.budget import MiB
+
+
+@pytest.mark.parametrize("changes, message", [
+    (["--models", "resnet50"], "not models of the quick tier: resnet50"),
+    (["--policies", "lru"], "unknown policies lru"),
+    (["--sections", "speed"], "--sections takes throughput, maxbatch, decorator"),
+    (["--link", "pcie"], "unknown link 'pcie'"),
+    (["--fraction", "0"], "--fraction must be in (0, 1]"),
+    (["--steps", "3"], "--steps must be at least 4"),
+])
+def test_bad_arguments(changes, message, tmp_path, capsys):
+    assert main.main(["bench", "suite", "--tier", "quick", "--out", str(tmp_path), *changes]) == 2
+    assert f"capuchin_tf bench: error: {message}" in capsys.readouterr().err
+
+
+def _runs(settled, median, peaks, prediction):
+    plain = {"settled_median_step_s": 1.0, "median_step_s": 1.0}
+    managed = {"settled_median_step_s": settled, "median_step_s": median, "settled_peak_bytes": peaks[-1] if settled
+               else None, "step_peak_bytes": peaks, "report": {"prediction": prediction}}
+    return plain, managed
+
+
+PREDICTION = {"predicted_step_ratio": 1.25, "lower_bound_ratio": 1.1, "predicted_peak_bytes": 100 * MiB}
+
+
+def test_the_measured_step_beside_the_prediction_and_the_lower_bound():
+    c = against_prediction(*_runs(1.5, 2.0, [300 * MiB, 120 * MiB, 110 * MiB], PREDICTION))
+    assert c["prediction_timed_over"] == "settled"
+    assert c["measured_step_ratio"] == pytest.approx(1.5) and c["predicted_step_s"] == pytest.approx(1.25)
+    assert c["step_prediction_error"] == pytest.approx(0.2)
+    assert c["lower_bound_s"] == pytest.approx(1.1) and c["overhead_vs_lower_bound"] == pytest.approx(1.5 / 1.1)
+    assert c["peak_prediction_error"] == pytest.approx(0.1)
+    # too few settled steps: every step after the measured one, and the highest of their peaks
+    c = against_prediction(*_runs(None, 2.0, [300 * MiB, 120 * MiB, 110 * MiB], PREDICTION))
+    assert c["prediction_timed_over"] == "after the measured step"
+    assert c["measured_step_ratio"] == pytest.approx(2.0) and c["settled_peak_bytes"] == 120 * MiB
+    assert against_prediction(*_runs(1.5, 2.0, [1], None)) == {}  # plain TensorFlow, or no plan
+
+
+def _row(policy, equal=True, swapped=0, recomputed=0, **kw):
+    row = {"model": "cnn", "batch": 128, "policy": policy, "budget_mb": 100, "ok": True, "error": None,
+           "bitwise_equal": equal, "throughput_ratio": 0.9, "guided_throughput_ratio": 0.8, "measured_step_ratio": 1.2,
+           "predicted_step_ratio": 1.1, "lower_bound_ratio": 1.05, "overhead_vs_lower_bound": 1.14,
+           "settled_peak_bytes": 99 * MiB, "predicted_peak_bytes": 98 * MiB, "swapped_bytes": swapped * MiB,
+           "recomputed_bytes": recomputed * MiB, "replans": 0, "phases": ["measured", "guided"],
+           "empty_plan": not swapped and not recomputed}
+    return {**row, **kw}
+
+
+def test_the_tables_say_empty_plans_and_mismatches():
+    data = {"tier": "quick", "link": "p100", "commit": "abc", "date": "2026-12-02", "machine": {"cores": 2},
+            "command": "python -m capuchin_tf bench suite", "fraction": 0.5, "steps": 8,
+            "throughput": [_row("capuchin", swapped=10), _row("swap-only", equal=False, swapped=20)],
+            "maxbatch": [{"model": "cnn", "policy": "tf", "budget_mb": 50, "max_batch": 64, "first_failing_batch": 72,
+                          "bitwise_equal": None, "trials": []},
+                         {"model": "cnn", "policy": "capuchin", "budget_mb": 50, "max_batch": 256,
+                          "first_failing_batch": 264, "bitwise_equal": True, "trials": []}],
+            "decorator": [_row("capuchin", of_tf_max=1.0), _row("capuchin", recomputed=5, of_tf_max=1.2)]}
+    text = suite.markdown(data)
+    lines = text.splitlines()
+    assert "| cnn | 128 | capuchin | 100 | yes | 0.800x / 0.900x | 1.20 / 1.10 / 1.05 | 1.14 |" in text
+    assert any(line.startswith("| cnn | 128 | swap-only | 100 | NO |") for line in lines)
+    assert "| cnn | 50 | capuchin | 256 | 4.00x | 264 | yes |" in text
+    decorator = [line for line in lines if line.startswith("| cnn | 128 | 1.")]
+    assert "(**empty plan**)" in decorator[0] and "empty" not in decorator[1]
+
+
+def test_a_quick_point_bit_for_bit_with_its_prediction(tmp_path, capfd):
+    out = tmp_path / "suite"
+    assert main.main(["bench", "suite", "--tier", "quick", "--models", "mlp", "--policies", "capuchin",
+                      "--sections", "throughput", "--steps", "5", "--out", str(out)]) == 0
+    printed = capfd.readouterr().out
+    assert "bit-for-bit equal to it: yes" in printed and "lower bound" in printed
+    data = json.loads((out / "suite.json").read_text())
+    assert data["commit"] and data["date"] and data["machine"]["cores"]
+    (row,) = data["throughput"]
+    assert row["model"] == "mlp" and row["policy"] == "capuchin" and row["bitwise_equal"] is True
+    assert row["phases"][0] == "measured" and set(row["phases"][1:]) == {"guided"}
+    assert row["swapped_bytes"] + row["recomputed_bytes"] > 0 and not row["empty_plan"]
+    assert row["peak_bytes"] <= row["budget_mb"] * MiB
+    # the simulator never predicts a step below the plan's lower bound
+    assert 1.0 <= row["lower_bound_ratio"] <= row["predicted_step_ratio"]
+    assert row["measured_step_ratio"] > 0 and row["settled_peak_bytes"] <= row["budget_mb"] * MiB
+    point = json.loads((out / row["json"]).read_text())
+    assert point["commit"] == data["commit"] and point["bitwise_equal"] is True
+    assert (out / "suite.md").read_text().startswith("# bench suite: quick tier, link p100")
+    assert (out / "throughput.png").stat().st_size > 0
