@@ -3,8 +3,7 @@
 The runtime (capuchin_tf.runtime.managed_step) reads, after each guided step, which swap-ins waited for their copy (and
 how long) and which prefetched tensors passive mode evicted again before their swap-in claimed them;
 `plan_after_step` (through `move_triggers`) turns that into the next plan. After an out-of-memory error or a peak
-over the budget, `tighter_plan` chooses the plan for a tighter budget; after a step whose safety net evicted tensors
-on demand, `plan_below_evictions` weighs a plan that leaves room for them. The runtime installs what these return.
+over the budget, `tighter_plan` chooses the plan for a tighter budget. The runtime installs what these return.
 """
 
 from __future__ import annotations
@@ -21,10 +20,6 @@ LATE_TRIGGER_STEP = 0.05  # a late prefetch's in-trigger moves earlier by this f
 LATE_REPLAN_FRACTION = 0.05
 TIGHTEN = 0.95  # a guided step over budget, or out of memory, re-plans for this fraction of the budget in use
 TIGHTEN_PROBES = 3  # if no plan fits that budget: plans bisecting toward the current one
-# A guided step whose safety net evicted tensors on demand re-plans below its plan's budget by the bytes evicted, at
-# most this many times per signature: evictions the plan cannot foresee (a copy's timing, BFC's layout) would
-# otherwise ratchet the budget down step after step.
-MAX_EVICTION_REPLANS = 3
 
 
 def move_triggers(plan: Plan, trace: AccessTrace, earlier: Mapping[str, float], later: set[str]) -> Plan:
@@ -100,25 +95,3 @@ def tighter_plan(plan_for: Callable[[int], Plan], current_budget: int,
     if current_plan is not None and plan.predicted_peak_bytes >= current_plan.predicted_peak_bytes:
         return None
     return budget, plan
-
-
-def plan_below_evictions(plan_for: Callable[[int], Plan], plan_budget: int, current_plan: Plan,
-                         evicted_bytes: int) -> tuple[int, Plan] | None:
-    """The (budget, plan) to run after a guided step whose safety net evicted `evicted_bytes` on demand (the plan
-    left too little room there); None: keep the current plan.
-
-    An on-demand eviction sits on the step's critical path twice: the allocation that needed the room waits for the
-    copy out, and the evicted tensor's next reader waits for the copy back. So the plan for `plan_budget` minus the
-    bytes evicted is taken when it fits and its predicted step is below the current plan's plus those two copies
-    over the current plan's link (both on the trace's clock)."""
-    if evicted_bytes <= 0:
-        return None
-    target = plan_budget - int(evicted_bytes)
-    if target <= current_plan.persistent_bytes:
-        return None
-    candidate = plan_for(target)
-    device = current_plan.device
-    cost = device.swap_out_time(evicted_bytes) + device.swap_in_time(evicted_bytes)
-    if candidate.feasible and candidate.predicted_step_s < current_plan.predicted_step_s + cost:
-        return target, candidate
-    return None

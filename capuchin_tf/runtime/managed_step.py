@@ -62,13 +62,7 @@ from capuchin_tf.core.graph_model import fold_views, shape_of, split_tensor_id, 
 from capuchin_tf.core.plan import Plan
 from capuchin_tf.core.stalls import summarize as summarize_stalls
 from capuchin_tf.policy import POLICIES, make_plan
-from capuchin_tf.policy.feedback import (
-    MAX_EVICTION_REPLANS,
-    TIGHTEN,
-    plan_after_step,
-    plan_below_evictions,
-    tighter_plan,
-)
+from capuchin_tf.policy.feedback import TIGHTEN, plan_after_step, tighter_plan
 from capuchin_tf.policy.plan_cache import CacheKey, PlanCache
 from capuchin_tf.policy.simulator import lower_bound_s
 from capuchin_tf.runtime import recovery
@@ -581,8 +575,7 @@ class ManagedStep:
                     state.speedup = speedup
                     self._device_model(state.trace, state)  # the emulated link follows
             if self.options.feedback and state.fallback_reason is None:
-                record.plan_changed = self._adjust(state, args, late, early, peak, seconds,
-                                                   record.passive_evicted_bytes)
+                record.plan_changed = self._adjust(state, args, late, early, peak, seconds)
             state.steps_since_change = 0 if record.plan_changed or retried else state.steps_since_change + 1
             return outputs
 
@@ -688,42 +681,13 @@ class ManagedStep:
                   "move triggers earlier", flush=True)
 
     def _adjust(self, state: SignatureState, args, late: Mapping[str, float], early: list[str], peak: int,
-                seconds: float, evicted_bytes: int = 0) -> bool:
-        """Feedback after a guided step (policy.feedback.plan_after_step; a peak over the budget tightens; tensors
-        evicted on demand: policy.feedback.plan_below_evictions); True when the plan changed (and the step was
-        rewritten)."""
-        previous, state.before_eviction_replan = state.before_eviction_replan, None
+                seconds: float) -> bool:
+        """Feedback after a guided step (policy.feedback.plan_after_step; a peak over the budget tightens); True when
+        the plan changed (and the step was rewritten)."""
         if state.plan is None or state.replans >= self.options.max_replans:
             return False
         if self.options.budget_bytes is not None and peak > self.options.budget_bytes and state.fn is not None:
             return self._tighten(state, args, reason=f"peak {peak} over the budget")
-        if previous is not None and evicted_bytes >= previous[4]:
-            # the plan made to leave room for the evictions evicted no less: back to the one before, for good
-            state.plan, state.plan_budget, state.fn, state.guided_def = previous[:4]
-            state.eviction_replans = MAX_EVICTION_REPLANS
-            if self.options.verbose:
-                print(f"capuchin_tf: the plan below the evictions evicted {format_bytes(evicted_bytes)} on demand "
-                      f"(before: {format_bytes(previous[4])}); back to the plan before", flush=True)
-            return True
-        if evicted_bytes > 0 and state.fn is not None and state.eviction_replans < MAX_EVICTION_REPLANS:
-            device_model = self._device_model(state.trace, state)
-
-            def plan_for(budget: int) -> Plan:
-                return make_plan(state.trace, budget, self.options.policy, device_model,
-                                 **self.options.planner_options())
-
-            state.eviction_replans += 1
-            choice = plan_below_evictions(plan_for, state.plan_budget, state.plan, evicted_bytes)
-            if choice is not None:
-                if self.options.verbose:
-                    print(f"capuchin_tf: {format_bytes(evicted_bytes)} evicted on demand; re-planning for "
-                          f"{format_bytes(choice[0])}", flush=True)
-                state.replans += 1
-                before = (state.plan, state.plan_budget, state.fn, state.guided_def, evicted_bytes)
-                if self._install(state, args, choice[1], choice[0]):
-                    state.before_eviction_replan = before
-                    return True
-                return False
         plan = plan_after_step(state.plan, state.trace, late, early, seconds, state.earlier_frozen)
         if plan is state.plan:
             return False

@@ -60,10 +60,6 @@ class SignatureState:
     # guided step's time without its waits for copies (recomputation included, so an underestimate).
     speedup: float = 1.0
     protected_steps: int = 0  # guided steps left that run with a host snapshot of `written` (after a plan change)
-    eviction_replans: int = 0  # re-plans for on-demand evictions (policy.feedback.MAX_EVICTION_REPLANS)
-    # before such a re-plan: (plan, plan budget, function, graph, bytes evicted on demand under that plan), to go back
-    # to when the new plan evicts no less
-    before_eviction_replan: tuple | None = None
     untightenable_at: int = 0  # a plan budget for which no tighter plan was found (not searched again)
     # The plan of the last guided step that completed (after retries or not): (plan, plan budget, fn, its GraphDef).
     good: tuple | None = None

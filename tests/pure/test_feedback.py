@@ -2,8 +2,6 @@
 again move later, triggers stay between the evicted-access and the back-access, nothing else changes; the tighter
 plan after an out-of-memory error."""
 
-import dataclasses
-
 from capuchin_tf.core import synthetic
 from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.policy import make_plan
@@ -108,32 +106,3 @@ def test_after_a_step_small_waits_change_nothing_and_early_prefetches_win_over_l
     assert plan_after_step(PLAN, TRACE, {t: wait}, [], seconds=step, earlier_frozen=True) is PLAN
     both = plan_after_step(PLAN, TRACE, {t: wait}, [t], seconds=step)  # evicted again too: it moves later
     assert both is PLAN or _by_tensor(both)[t].in_trigger.time >= movable[0].in_trigger.time
-
-
-def test_evictions_on_demand_re_plan_below_them_when_the_copies_they_cost_are_dearer():
-    from capuchin_tf.policy.feedback import plan_below_evictions
-
-    budget = synthetic.budget_fraction(TRACE, 0.6)
-    current = make_plan(TRACE, budget, "capuchin", DeviceModel.from_link("p100", TRACE))
-    evicted = 2 << 20
-    cost = current.device.swap_out_time(evicted) + current.device.swap_in_time(evicted)
-    asked = []
-
-    def planner(extra_s, feasible=True):
-        def plan_for(b):
-            asked.append(b)
-            return dataclasses.replace(current, feasible=feasible, predicted_step_s=current.predicted_step_s + extra_s)
-        return plan_for
-
-    assert plan_below_evictions(planner(0.0), budget, current, 0) is None and asked == []
-    budget_taken, plan = plan_below_evictions(planner(cost / 2), budget, current, evicted)  # cheaper than the copies
-    assert budget_taken == budget - evicted == asked[-1] and plan.feasible
-    assert plan_below_evictions(planner(cost * 2), budget, current, evicted) is None  # dearer than the copies
-    assert plan_below_evictions(planner(0.0, feasible=False), budget, current, evicted) is None
-    # nothing at or below the persistent bytes is asked for
-    asked.clear()
-    assert plan_below_evictions(planner(0.0), current.persistent_bytes + 1, current, evicted) is None and not asked
-    # the real planner's plan below the evictions, when taken, is predicted to fit there
-    choice = plan_below_evictions(lambda b: make_plan(TRACE, b, "capuchin", current.device), budget, current, evicted)
-    if choice is not None:
-        assert choice[1].predicted_peak_bytes <= choice[0]
