@@ -573,12 +573,15 @@ def plain_run(model: str, batch: int, link: str, steps: int, device_mb: int) -> 
 
 
 def equal_point(plain: dict, policy: str, budget_mb: int, device_mb: int, transient_fraction: float | None = None,
-                echo=print) -> dict:
+                echo=print, stop_on_rescue: bool = False) -> dict:
     """`policy` on `plain`'s model, batch, link and steps, in a fresh process on a device of `budget_mb` MiB,
     compared with `plain` (plain_run) bit for bit (losses and every variable), timed against it, and set beside its
-    planner's prediction (against_prediction). What `bench equal` writes."""
+    planner's prediction (against_prediction). What `bench equal` writes. `stop_on_rescue`: the run stops at the
+    first step passive mode would have to rescue: the policy does not run at this budget (`ok` false, its error)."""
     args = ["--model", plain["model"], "--batch", str(plain["batch"]), "--budget-mb", str(budget_mb), "--policy",
             policy, "--link", plain["link"], "--steps", str(plain["steps"])]
+    if stop_on_rescue:
+        args.append("--stop-on-rescue")
     managed = run_worker("bench-worker", args, budget_mb)
     equal = (managed["ok"] and managed["losses_hex"] == plain["losses_hex"]
              and managed["variables_sha256"] == plain["variables_sha256"])

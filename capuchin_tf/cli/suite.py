@@ -8,7 +8,8 @@ at the same model, batch and steps (bench.equal_point). Sections, per model of t
 
 - ``throughput``: plain TensorFlow on a 16 GiB device at the model's suite batch (SUITE_BATCH), then each policy at
   persistent + --fraction x the plain transient peak, on a device of that size, on --link (default p100), then plain
-  TensorFlow again (the reference is the faster of its two runs, both recorded). Per policy: throughput against
+  TensorFlow again (the reference is the faster of its two runs, both recorded). A policy that needs passive mode to
+  rescue a step does not run at the budget: its point stops there and says so. Per policy: throughput against
   plain TensorFlow, the measured step and peak beside the planner's prediction and the plan's lower bound
   (bench.against_prediction), and whether it is bit for bit.
 - ``maxbatch``: the budget at which plain TensorFlow's largest batch is REFERENCE_BATCH (64 for the CNNs, 16 for the
@@ -155,11 +156,13 @@ def run(a: argparse.Namespace) -> int:
     return 0 if all_equal else 1
 
 
-def _equal(bench, plain: dict, policy: str, budget_mb: int) -> dict:
+def _equal(bench, plain: dict, policy: str, budget_mb: int, rescue: bool = False) -> dict:
+    """One point against `plain`. Without `rescue`, a step that passive mode would have to rescue ends the point: the
+    policy does not run at this budget (benchmarks.md; a rescued step is passive mode's time, not the policy's)."""
     def echo(line: str) -> None:
         print(line, flush=True)
 
-    return bench.equal_point(plain, policy, budget_mb, plain["device_mb"], echo=echo)
+    return bench.equal_point(plain, policy, budget_mb, plain["device_mb"], echo=echo, stop_on_rescue=not rescue)
 
 
 def _throughput(suite: Suite, bench, model: str, policies: list[str]) -> bool:
@@ -229,7 +232,7 @@ def _maxbatch(suite: Suite, bench, model: str, policies: list[str], sections: li
         for batch in (found["tf"], math.ceil(found["tf"] * 1.2)):
             print(f"== decorator: {model} b{batch}, capuchin at {budget_mb} MiB ...", flush=True)
             plain = bench.plain_run(model, batch, a.link, a.steps, BIG_DEVICE_MB)
-            data = _equal(bench, plain, "capuchin", budget_mb)
+            data = _equal(bench, plain, "capuchin", budget_mb, rescue=True)  # the decorator as users run it
             ok &= bool(data["bitwise_equal"]) or not data["ok"]
             row = _row(data)
             row["of_tf_max"] = batch / found["tf"]
