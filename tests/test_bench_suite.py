@@ -55,7 +55,7 @@ def _row(policy, equal=True, swapped=0, recomputed=0, **kw):
            "predicted_step_ratio": 1.1, "lower_bound_ratio": 1.05, "overhead_vs_lower_bound": 1.14,
            "settled_peak_bytes": 99 * MiB, "predicted_peak_bytes": 98 * MiB, "swapped_bytes": swapped * MiB,
            "recomputed_bytes": recomputed * MiB, "replans": 0, "phases": ["measured", "guided"],
-           "empty_plan": not swapped and not recomputed}
+           "empty_plan": not swapped and not recomputed, "all_guided": equal}
     return {**row, **kw}
 
 
@@ -70,8 +70,8 @@ def test_the_tables_say_empty_plans_and_mismatches():
             "decorator": [_row("capuchin", of_tf_max=1.0), _row("capuchin", recomputed=5, of_tf_max=1.2)]}
     text = suite.markdown(data)
     lines = text.splitlines()
-    assert "| cnn | 128 | capuchin | 100 | yes | 0.800x / 0.900x | 1.20 / 1.10 / 1.05 | 1.14 |" in text
-    assert any(line.startswith("| cnn | 128 | swap-only | 100 | NO |") for line in lines)
+    assert "| cnn | 128 | capuchin | 100 | yes | yes | 0.800x / 0.900x | 1.20 / 1.10 / 1.05 | 1.14 |" in text
+    assert any(line.startswith("| cnn | 128 | swap-only | 100 | NO | no |") for line in lines)
     assert "| cnn | 50 | capuchin | 256 | 4.00x | 264 | yes |" in text
     decorator = [line for line in lines if line.startswith("| cnn | 128 | 1.")]
     assert "(**empty plan**)" in decorator[0] and "empty" not in decorator[1]
@@ -87,7 +87,7 @@ def test_a_quick_point_bit_for_bit_with_its_prediction(tmp_path, capfd):
     assert data["commit"] and data["date"] and data["machine"]["cores"]
     (row,) = data["throughput"]
     assert row["model"] == "mlp" and row["policy"] == "capuchin" and row["bitwise_equal"] is True
-    assert row["phases"][0] == "measured" and set(row["phases"][1:]) == {"guided"}
+    assert row["phases"][0] == "measured" and set(row["phases"][1:]) == {"guided"} and row["all_guided"]
     assert row["swapped_bytes"] + row["recomputed_bytes"] > 0 and not row["empty_plan"]
     assert row["peak_bytes"] <= row["budget_mb"] * MiB
     # the simulator never predicts a step below the plan's lower bound

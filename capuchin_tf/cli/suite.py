@@ -108,6 +108,10 @@ def _row(data: dict) -> dict:
     row = {k: data.get(k) for k in keys}
     managed = data.get("managed") or {}
     row["phases"] = managed.get("phases")
+    # every step after the measured one guided (or plain), none retried: the policy ran at this budget
+    row["all_guided"] = bool(data.get("ok") and row["phases"] and len(row["phases"]) > 1
+                             and all(p in ("guided", "plain") for p in row["phases"][1:])
+                             and not any((managed.get("retries") or [])[1:]))
     row["empty_plan"] = bool(data.get("policy") != "tf" and not data.get("swapped_tensors")
                              and not data.get("recomputed_tensors"))
     return row
@@ -277,15 +281,16 @@ def markdown(data: dict) -> str:
                   "one, and over the settled steps (after the last plan change, less the first). Step ratios: the "
                   "measured one, the planner's prediction, and the plan's lower bound (docs/results.md).",
                   "",
-                  "| model | batch | policy | budget MiB | bit for bit | throughput: guided / settled | step vs "
-                  "plain: measured / predicted / lower bound | measured / bound | peak MiB (predicted) | swapped / "
-                  "recomputed MiB | re-plans | phases |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| model | batch | policy | budget MiB | bit for bit | every step guided | throughput: guided / "
+                  "settled | step vs plain: measured / predicted / lower bound | measured / bound | peak MiB "
+                  "(predicted) | swapped / recomputed MiB | re-plans | phases |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in data["throughput"]:
             lines.append(
                 f"| {r['model']} | {r['batch']} | {r['policy']} | {r['budget_mb']} | "
                 f"{'yes' if r['bitwise_equal'] else ('NO' if r['ok'] else 'failed: ' + str(r['error'])[:60])} | "
-                f"{_f(r['guided_throughput_ratio'], '.3f', 'x')} / {_f(r['throughput_ratio'], '.3f', 'x')} | "
+                f"{'yes' if r.get('all_guided') else 'no'} | {_f(r['guided_throughput_ratio'], '.3f', 'x')} / "
+                f"{_f(r['throughput_ratio'], '.3f', 'x')} | "
                 f"{_f(r['measured_step_ratio'])} / "
                 f"{_f(r['predicted_step_ratio'])} / {_f(r['lower_bound_ratio'])} | "
                 f"{_f(r['overhead_vs_lower_bound'])} | "

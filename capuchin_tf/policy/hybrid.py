@@ -42,6 +42,7 @@ from capuchin_tf.policy.recompute import (
 from capuchin_tf.policy.simulator import InfeasiblePlanError, simulate
 from capuchin_tf.policy.swap import SwapOption, SwapPlanner
 
+HALF_MARGIN = 0.01  # a half replaces a fitting hybrid plan only when predicted this much faster (plan_capuchin)
 MAX_SCAN = 16  # swap pairs evaluated per pick when looking for one that covers the predicted peak (64 was
 # slower and no better on the measured ResNet50, bert-4l and BERT-base traces: docs/results.md)
 
@@ -52,24 +53,26 @@ def plan_capuchin(
     """Capuchin's hybrid policy: free swaps first, then the cheaper of swap and recompute (Algorithm 1).
 
     Beyond the paper (``fallback``): the greedy can paint itself into a corner (a recomputation chosen early keeps
-    its sources on the device where a swap was needed later). When the hybrid plan does not fit, its two halves are
-    planned too and the fastest of those that fit is returned (still named ``capuchin``; ``options["fallback"]`` says
-    which half); if none fits, the hybrid plan is returned."""
+    its sources on the device where a swap was needed later), or pick a mix its own simulator predicts slower than one
+    of its halves. So its two halves are planned too, and the fastest of the three plans that fit is returned (the
+    hybrid unless a half is predicted more than HALF_MARGIN faster; still named ``capuchin``, ``options["fallback"]``
+    says which half); if none fits, the hybrid plan is returned."""
     started = time.perf_counter()
     report: dict = {}
-    plan = hybrid(
-        trace, budget_bytes, device_model, policy="capuchin", swap=True, recompute=True, _report=report, **options
-    )
-    if plan.feasible or not fallback or plan.unreachable_op is not None or report.get("hopeless"):
-        return plan  # (hopeless: even evicting every candidate could not bring that op under the budget)
     index = options.pop("index", None) or TraceIndex(trace)
+    plan = hybrid(
+        trace, budget_bytes, device_model, policy="capuchin", swap=True, recompute=True, _report=report, index=index,
+        **options,
+    )
+    if not fallback or plan.unreachable_op is not None or report.get("hopeless"):
+        return plan  # (hopeless: even evicting every candidate could not bring that op under the budget)
     fitting = []
     for half, sw, rc in (("swap-only", True, False), ("recompute-only", False, True)):
         p = hybrid(trace, budget_bytes, device_model, policy="capuchin", swap=sw, recompute=rc, index=index, **options)
-        if p.feasible:
+        if p.feasible and (not plan.feasible or p.predicted_step_s < plan.predicted_step_s * (1 - HALF_MARGIN)):
             fitting.append((p.predicted_step_s, half, p))
     if not fitting:
-        return plan
+        return dataclasses.replace(plan, planning_s=time.perf_counter() - started)
     _, half, best = min(fitting, key=lambda x: x[:2])
     return dataclasses.replace(
         best,

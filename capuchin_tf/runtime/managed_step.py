@@ -528,6 +528,8 @@ class ManagedStep:
                     return self._passive(state, args, retried, e)
                 if (not state.plan.feasible and self.safety_net
                         and state.trace.peak_bytes <= (self.options.budget_bytes or 0)):
+                    if not self.options.passive_rescue:
+                        raise self._failure(state, e, rescue_off=True) from e
                     # A plan the planner itself predicted over the budget ran out of memory, where the measured step
                     # fitted: from now on the steps run in passive mode, as the measured one, rather than retry plans
                     # its model says cannot fit: each such attempt waits for copies and fails again, where passive

@@ -300,3 +300,22 @@ def test_the_transformer_gradient_of_the_masked_lm_gather_is_not_swapped_over_th
     swapped = {d.tensor for d in plan.swaps}
     assert swapped and not any("UnsortedSegmentSum" in t for t in swapped), sorted(swapped)
     _assert_swap_outs_end_before_back_accesses(plan, trace)
+
+
+@pytest.mark.parametrize("make, link, fraction, half", [
+    (lambda: synthetic.linear_chain(6), 1e9, 0.8, "swap-only"),
+    (lambda: synthetic.resnet(2), 5e7, 0.8, "recompute-only"),
+])
+def test_the_runtimes_capuchin_is_not_predicted_slower_than_a_half_its_greedy_loses_to(make, link, fraction, half):
+    # Cases where the paper's greedy (fallback off, the policy API's default) is predicted more than 2% slower than
+    # one of its halves; with the runtime's fallback, capuchin's plan is that half's, or one predicted no slower.
+    from capuchin_tf.policy.hybrid import HALF_MARGIN
+
+    trace = make()
+    dm = DeviceModel.from_link(link, trace)
+    budget = synthetic.budget_fraction(trace, fraction)
+    greedy, other = make_plan(trace, budget, "capuchin", dm), make_plan(trace, budget, half, dm)
+    assert greedy.feasible and other.feasible and greedy.predicted_step_s > other.predicted_step_s * 1.02
+    plan = make_plan(trace, budget, "capuchin", dm, fallback=True)
+    assert plan.feasible and plan.predicted_step_s <= other.predicted_step_s / (1 - HALF_MARGIN)
+    assert dict(plan.options).get("fallback") in ("swap-only", "recompute-only") and plan.policy == "capuchin"

@@ -108,3 +108,19 @@ def test_swaps_the_planner_calls_hidden_stall_nowhere_together(seed, n, frac, li
     assert sim.step_time == pytest.approx(trace.step_time)
     if decisions:
         assert sim.peak_bytes <= trace.replayed_peak_bytes()
+
+
+@SETTINGS
+@given(seed=seeds, n=layers, frac=fractions, link=links)
+def test_capuchin_with_its_fallback_is_never_predicted_slower_than_a_half_that_fits(seed, n, frac, link):
+    from capuchin_tf.policy.hybrid import HALF_MARGIN
+
+    trace = random_trace(seed, n)
+    dm = DeviceModel.from_link(link, trace)
+    budget = synthetic.budget_fraction(trace, frac)
+    plan = make_plan(trace, budget, "capuchin", dm, fallback=True)
+    for half in ("swap-only", "recompute-only"):
+        other = make_plan(trace, budget, half, dm)
+        if other.feasible:
+            assert plan.feasible
+            assert plan.predicted_step_s <= other.predicted_step_s / (1 - HALF_MARGIN) + 1e-12

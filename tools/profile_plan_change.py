@@ -1,0 +1,87 @@
+"""What one plan change costs a guided step, by part (issue 16: "a plan change costs under 10% of a step").
+
+    TF_NUM_INTEROP_THREADS=1 TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=207 TF_ENABLE_ONEDNN_OPTS=0 \
+        .venv/bin/python tools/profile_plan_change.py --model resnet50 --batch 32 --budget-mb 207 --link p100 \
+        --json out.json
+
+Runs the model's measured step and two guided steps under `capuchin_tf.function`, then makes the plan change the
+feedback makes for late prefetches (every in-trigger moved earlier: policy.feedback.move_triggers) and times its
+parts: planning from scratch (what a tighter plan costs), the graph edits (rewrite.apply_plan, rewrite.pooled), the
+rebuild of the function (function_surgery.rebuild) and the first and second guided calls after it, against the
+guided step before. Prints one line per part and writes them as JSON, stamped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--budget-mb", type=int, required=True)
+    p.add_argument("--link", default="p100")
+    p.add_argument("--json", required=True)
+    a = p.parse_args()
+
+    import capuchin_tf  # noqa: F401  (the allocator wrapper, before TensorFlow's first op)
+    from capuchin_tf.cli import models
+    from capuchin_tf.cli.common import git_commit, machine
+    from capuchin_tf.frontend import decorator
+    from capuchin_tf.policy import make_plan
+    from capuchin_tf.policy.feedback import move_triggers
+    from capuchin_tf.tf import function_surgery, rewrite
+
+    setup = models.build(a.model, a.batch)
+    options = decorator.make_options(a.budget_mb * 2**20, policy="capuchin", link=a.link, feedback=False)
+    managed = decorator.wrap_step(setup.train_step, options)
+    calls = []
+    for _ in range(3):  # measured, guided (instantiates), guided
+        t0 = time.perf_counter()
+        managed(*setup.inputs)
+        calls.append(time.perf_counter() - t0)
+    (state,) = managed.states().values()
+    plan = state.plan
+    parts: dict[str, float] = {"guided_call_before_s": calls[-1]}
+
+    t0 = time.perf_counter()
+    make_plan(state.trace, state.plan_budget, "capuchin", plan.device, **options.planner_options())
+    parts["make_plan_s"] = time.perf_counter() - t0
+    moved = move_triggers(plan, state.trace, earlier={d.tensor: 0.0 for d in plan.swaps if d.in_trigger}, later=set())
+    dtypes = {t: info[0] for t, info in state.tensor_info.items()}
+    shapes = {t: info[1] for t, info in state.tensor_info.items()}
+    t0 = time.perf_counter()
+    graph_def = rewrite.apply_plan(state.optimized, moved, state.trace, dtypes, shapes)
+    parts["apply_plan_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    graph_def = rewrite.pooled(graph_def, state.shaped)
+    parts["pooled_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    function_surgery.rebuild(state.concrete, graph_def, name="capuchin_guided_step")
+    parts["rebuild_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    installed = managed._install(state, setup.inputs, moved, state.plan_budget)  # the same edits, installed
+    parts["install_s"] = time.perf_counter() - t0
+    for name in ("first_call_after_s", "second_call_after_s"):
+        t0 = time.perf_counter()
+        managed(*setup.inputs)
+        parts[name] = time.perf_counter() - t0
+    parts["plan_change_s"] = parts["install_s"] + parts["first_call_after_s"] - parts["second_call_after_s"]
+    result = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": a.model,
+              "batch": a.batch, "budget_mb": a.budget_mb, "link": a.link, "installed": installed,
+              "swaps": len(plan.swaps), "recomputes": len(plan.recomputes), "graph_nodes": len(graph_def.node),
+              "calls_s": calls, **parts}
+    for k, v in parts.items():
+        print(f"{k:24s} {v:8.3f}")
+    print(f"plan change: {parts['plan_change_s']:.2f} s, {parts['plan_change_s'] / parts['second_call_after_s']:.2f}x "
+          f"a guided step ({len(graph_def.node)} nodes)")
+    with open(a.json, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
