@@ -29,6 +29,7 @@ policy). Exit code 0 when every point that ran is bit for bit.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import pathlib
@@ -98,6 +99,8 @@ class Suite:
 
 
 def _row(data: dict) -> dict:
+    from capuchin_tf.cli import bench
+
     keys = ("model", "batch", "policy", "link", "budget_mb", "ok", "error", "bitwise_equal", "peak_bytes",
             "plain_peak_bytes", "persistent_bytes", "throughput_ratio", "guided_throughput_ratio",
             "prediction_timed_over", "settled_median_step_s",
@@ -108,10 +111,9 @@ def _row(data: dict) -> dict:
     row = {k: data.get(k) for k in keys}
     managed = data.get("managed") or {}
     row["phases"] = managed.get("phases")
-    # every step after the measured one guided (or plain), none retried: the policy ran at this budget
-    row["all_guided"] = bool(data.get("ok") and row["phases"] and len(row["phases"]) > 1
-                             and all(p in ("guided", "plain") for p in row["phases"][1:])
-                             and not any((managed.get("retries") or [])[1:]))
+    # benchmarks.md's "runs", over every step after the measured one: guided, none retried, under the budget
+    row["all_guided"] = bool(managed) and len(row["phases"] or ()) > 1 and bench.batch_runs(
+        managed, managed["budget_bytes"], clean_steps=len(row["phases"]) - 1)
     row["empty_plan"] = bool(data.get("policy") != "tf" and not data.get("swapped_tensors")
                              and not data.get("recomputed_tensors"))
     return row
@@ -163,10 +165,8 @@ def run(a: argparse.Namespace) -> int:
 def _equal(bench, plain: dict, policy: str, budget_mb: int, rescue: bool = False) -> dict:
     """One point against `plain`. Without `rescue`, a step that passive mode would have to rescue ends the point: the
     policy does not run at this budget (benchmarks.md; a rescued step is passive mode's time, not the policy's)."""
-    def echo(line: str) -> None:
-        print(line, flush=True)
-
-    return bench.equal_point(plain, policy, budget_mb, plain["device_mb"], echo=echo, stop_on_rescue=not rescue)
+    return bench.equal_point(plain, policy, budget_mb, plain["device_mb"], echo=functools.partial(print, flush=True),
+                             stop_on_rescue=not rescue)
 
 
 def _throughput(suite: Suite, bench, model: str, policies: list[str]) -> bool:
