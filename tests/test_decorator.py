@@ -479,3 +479,43 @@ def test_a_guided_step_that_no_tighter_plan_rescues_goes_back_to_the_last_plan_t
     assert state.guided_def == "graph A"
     assert state.earlier_frozen and state.good == (plan_a, 95 * MiB, "step A", "graph A")
     assert state.history[-1].phase == "guided" and state.history[-1].retried == 1
+
+
+@pytest.mark.parametrize("rescue", [True, False])
+def test_a_plan_predicted_over_the_budget_that_runs_out_of_memory_goes_passive_only_if_rescue_is_on(monkeypatch,
+                                                                                                    rescue):
+    # No plan fits, the best one runs and runs out of memory where the measured step fitted: with passive rescue on,
+    # this and the following steps run in passive mode; with it off (`bench --stop-on-rescue`), the step refuses
+    # with the variables restored, and no step after it runs in passive mode.
+    from types import SimpleNamespace
+
+    from capuchin_tf.frontend import decorator
+    from capuchin_tf.runtime import recovery
+    from capuchin_tf.runtime.signature import SignatureState
+    from capuchin_tf.tf import function_surgery
+
+    step = decorator.wrap_step(lambda x: x, decorator.make_options(100 * MiB, passive_rescue=rescue))
+    assert step.safety_net
+    plan = SimpleNamespace(name="over", swapped_bytes=1, recomputed_bytes=0, feasible=False,
+                           predicted_peak_bytes=120 * MiB)
+    log = []
+    state = SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=90 * MiB, step_time=0.0), plan=plan,
+                           plan_budget=100 * MiB, fn="step", guided_def="graph", snapshot=_fake_snapshot(log),
+                           writes=recovery.StateWrites({"w": (0,)}))
+    oom = tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[640,8192]")
+
+    def call(fn, *args):
+        raise oom
+
+    passive = []
+    monkeypatch.setattr(function_surgery, "call_without_grappler", call)
+    monkeypatch.setattr(recovery, "possibly_written", lambda graph_def, writes, node: {0})
+    monkeypatch.setattr(step, "_passive", lambda state, args, retried, error: passive.append(retried) or "passive")
+    if rescue:
+        assert step._guided(state, ()) == "passive"
+        assert state.passive_only and passive == [1]
+    else:
+        with pytest.raises(capuchin_tf.CapuchinError, match="predicted over the budget.*rescue is off"):
+            step._guided(state, ())
+        assert not state.passive_only and not passive
+    assert ("restore", {0}) in log

@@ -53,18 +53,25 @@ def move_triggers(plan: Plan, trace: AccessTrace, earlier: Mapping[str, float], 
 
 
 def plan_after_step(plan: Plan, trace: AccessTrace, late: Mapping[str, float], early: set[str] | list[str],
-                    seconds: float, earlier_frozen: bool = False) -> Plan:
+                    seconds: float, earlier_frozen: bool = False,
+                    early_waits: Mapping[str, float] | None = None) -> Plan:
     """The plan for the next guided step, from what the last one (of `seconds`) saw: `late` (tensor -> seconds its
-    swap-in waited) and `early` (prefetched tensors evicted again before their swap-in). Late prefetches count only
-    when their waits add up to LATE_REPLAN_FRACTION of the step. A prefetch evicted again came too early for the
-    memory there: its trigger moves later (beyond the paper); a late one moves earlier (the paper), unless
-    `earlier_frozen`. Eviction wins when a tensor was both. Unchanged: the same object."""
-    if sum(late.values()) < LATE_REPLAN_FRACTION * seconds:
+    swap-in waited) and `early` (prefetched tensors evicted again before their swap-in; `early_waits`: tensor ->
+    seconds bringing it back on demand took). The plan changes only when what these cost adds up to
+    LATE_REPLAN_FRACTION of the step: a plan change costs a rewrite and a new instantiation (docs/decisions.md, "What
+    a plan change costs"). With `early_waits` None an early prefetch counts whatever it cost. A prefetch evicted again
+    came too early for the memory there: its trigger moves later (beyond the paper); a late one moves earlier (the
+    paper), unless `earlier_frozen`. Eviction wins when a tensor was both. Unchanged: the same object."""
+    early = set(early)
+    cost = sum(late.values()) + sum((early_waits or {}).get(t, 0.0) for t in early)
+    if cost < LATE_REPLAN_FRACTION * seconds:
         late = {}
+        if early_waits is not None:
+            early = set()
     if not late and not early:
         return plan
     earlier = {} if earlier_frozen else {t: w for t, w in late.items() if t not in early}
-    return move_triggers(plan, trace, earlier=earlier, later=set(early))
+    return move_triggers(plan, trace, earlier=earlier, later=early)
 
 
 def tighter_plan(plan_for: Callable[[int], Plan], current_budget: int,

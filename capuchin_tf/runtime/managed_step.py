@@ -75,6 +75,9 @@ from capuchin_tf.tf.simulated_device import DEVICE
 # The plain step runs unrewritten when the measured step evicted nothing and peaked under this fraction of the budget
 # (the plain executor's own order can peak higher than the measured one; docs/decisions.md, "Nothing to save").
 NOTHING_TO_SAVE = 0.85
+# The emulated link follows the guided steps' speed (_device_model); when it speeds up by more than this fraction after
+# a step, that step's prefetch timings are not feedback for the link that follows.
+RELINK_FRACTION = 0.05
 MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, after an out-of-memory error
 
 # One managed step at a time in a process: the profiler, the allocator's passive mode and budget, the host store's
@@ -529,7 +532,7 @@ class ManagedStep:
                 if (not state.plan.feasible and self.safety_net
                         and state.trace.peak_bytes <= (self.options.budget_bytes or 0)):
                     if not self.options.passive_rescue:
-                        raise self._failure(state, e, rescue_off=True) from e
+                        raise self._failure(state, e, rescue_off=True, infeasible=True) from e
                     # A plan the planner itself predicted over the budget ran out of memory, where the measured step
                     # fitted: from now on the steps run in passive mode, as the measured one, rather than retry plans
                     # its model says cannot fit: each such attempt waits for copies and fails again, where passive
@@ -568,16 +571,25 @@ class ManagedStep:
                                 late_wait_s=sum(late.values()),
                                 evictions=after["guided_evictions"] - before["guided_evictions"],
                                 passive_evictions=after["passive_evictions"] - before["passive_evictions"],
-                                passive_evicted_bytes=after["passive_evicted_bytes"] - before["passive_evicted_bytes"])
+                                passive_evicted_bytes=after["passive_evicted_bytes"] - before["passive_evicted_bytes"],
+                                waited_s=dict(stalls.by_kind))
             state.history.append(record)
             waited = stalls.waited_s
+            relinked = False
             if state.fn is not None and not retried and seconds - waited > 0 and state.trace.step_time > 0:
                 speedup = max(1.0, state.trace.step_time / (seconds - waited))
                 if speedup > state.speedup:
+                    # A link that now runs RELINK_FRACTION faster than the one this step ran on: its late and early
+                    # prefetches were timed against a link that no longer is, and the feedback leaves them.
+                    relinked = link_is_emulated(self.options.link) and speedup > state.speedup * (1 + RELINK_FRACTION)
                     state.speedup = speedup
                     self._device_model(state.trace, state)  # the emulated link follows
             if self.options.feedback and state.fallback_reason is None:
-                record.plan_changed = self._adjust(state, args, late, early, peak, seconds)
+                t_adjust = time.perf_counter()
+                if relinked:
+                    late, early = {}, []
+                record.plan_changed = self._adjust(state, args, late, early, peak, seconds, dict(stalls.evicted))
+                record.adjust_s = time.perf_counter() - t_adjust
             state.steps_since_change = 0 if record.plan_changed or retried else state.steps_since_change + 1
             return outputs
 
@@ -628,8 +640,12 @@ class ManagedStep:
         state.steps_since_change = 0
         return outputs
 
-    def _failure(self, state: SignatureState, error, passive: bool = False, rescue_off: bool = False) -> CapuchinError:
-        if rescue_off:
+    def _failure(self, state: SignatureState, error, passive: bool = False, rescue_off: bool = False,
+                 infeasible: bool = False) -> CapuchinError:
+        if infeasible:
+            what = ("in a guided step whose plan was predicted over the budget (no plan fits it; the variables were "
+                    "restored; passive-mode rescue is off)")
+        elif rescue_off:
             what = (f"in {self.options.max_retries + 1} guided attempts with tighter plans (the variables were "
                     "restored; passive-mode rescue is off)")
         elif passive:
@@ -683,14 +699,14 @@ class ManagedStep:
                   "move triggers earlier", flush=True)
 
     def _adjust(self, state: SignatureState, args, late: Mapping[str, float], early: list[str], peak: int,
-                seconds: float) -> bool:
+                seconds: float, early_waits: Mapping[str, float] | None = None) -> bool:
         """Feedback after a guided step (policy.feedback.plan_after_step; a peak over the budget tightens); True when
         the plan changed (and the step was rewritten)."""
         if state.plan is None or state.replans >= self.options.max_replans:
             return False
         if self.options.budget_bytes is not None and peak > self.options.budget_bytes and state.fn is not None:
             return self._tighten(state, args, reason=f"peak {peak} over the budget")
-        plan = plan_after_step(state.plan, state.trace, late, early, seconds, state.earlier_frozen)
+        plan = plan_after_step(state.plan, state.trace, late, early, seconds, state.earlier_frozen, early_waits)
         if plan is state.plan:
             return False
         state.replans += 1

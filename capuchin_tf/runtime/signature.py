@@ -27,6 +27,8 @@ class StepRecord:
     passive_evictions: int = 0  # pooled tensors the safety net evicted on demand (what the plan did not save)
     passive_evicted_bytes: int = 0
     planned_bytes: int = 0  # bytes the plan this step ran saved (swapped + recomputed)
+    waited_s: dict = dataclasses.field(default_factory=dict)  # stall kind -> seconds the step waited (core/stalls.py)
+    adjust_s: float = 0.0  # seconds the feedback took after the step (a plan change: planning, rewriting, building)
 
 
 @dataclasses.dataclass

@@ -165,6 +165,7 @@ int64_t HostStore::Hold(const Tensor& tensor, const std::string& name) {
 absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType expected_dtype, bool last,
                             Tensor* out) {
   std::shared_ptr<Entry> e;
+  double in_bps = 0.0;
   {
     std::unique_lock<std::mutex> lock(mu_);
     auto it = entries_.find(handle);
@@ -192,6 +193,7 @@ absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType
       return absl::OkStatus();
     }
     e->state = Residency::kSwappingIn;  // claimed: eviction skips it, a concurrent Get waits above
+    in_bps = in_bps_;
   }
   // Evicted: bring it back synchronously (the paper's access failure). Allocate outside the lock: the allocation
   // may itself evict other pooled tensors.
@@ -207,6 +209,7 @@ absl::Status HostStore::Get(int64_t handle, const AllocateFn& allocate, DataType
                                      "': ", allocated.message());
   }
   if (e->bytes > 0) std::memcpy(const_cast<char*>(tensor.tensor_data().data()), e->host, e->bytes);
+  SleepForLink(in_bps, e->bytes, start);  // on an emulated link, the on-demand copy takes its time as a prefetch's does
   std::lock_guard<std::mutex> lock(mu_);
   FreeHostBuffer(e.get());
   if (last) {
@@ -235,6 +238,7 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
   const int64_t start = NowNs();
   std::vector<Tensor> drop;
   int64_t freed = 0;
+  double out_bps = 0.0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const EvictionChoice choice = pool_.Choose(entries_, out_queue_, bytes_needed, chunks, contiguous);
@@ -242,8 +246,15 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
     for (const auto& e : choice.chosen) {
       if (!Evict(e, choice.queued.count(e.get()) > 0, start, &drop)) freed -= e->bytes;
     }
-    if (freed > 0) stalls_.push_back(Stall{start, NowNs(), freed, kPassiveEviction, ""});
+    out_bps = out_bps_;
     trace_->Evicted(bytes_needed, choice, freed, chunks, entries_, counters_.pending_copies);
+  }
+  if (freed > 0) {
+    // On an emulated link the on-demand copies take their time, as a planned swap-out's does (out of the lock: the
+    // copy workers go on meanwhile); the device buffers are freed when the copies are done.
+    SleepForLink(out_bps, freed, start);
+    std::lock_guard<std::mutex> lock(mu_);
+    stalls_.push_back(Stall{start, NowNs(), freed, kPassiveEviction, ""});
   }
   drop.clear();  // frees the device buffers, outside the lock
   return freed;
@@ -516,9 +527,12 @@ int64_t HostStore::CopyGeneration() {
 }
 
 bool HostStore::WaitForCopy(int64_t generation, int64_t deadline_ns) {
+  const int64_t start = NowNs();
   std::unique_lock<std::mutex> lock(mu_);
   const auto deadline = std::chrono::steady_clock::time_point(std::chrono::nanoseconds(deadline_ns));
-  return copy_cv_.wait_until(lock, deadline, [&] { return copies_done_ != generation; });
+  const bool done = copy_cv_.wait_until(lock, deadline, [&] { return copies_done_ != generation; });
+  stalls_.push_back(Stall{start, NowNs(), 0, kCopyWait, ""});
+  return done;
 }
 
 void HostStore::SetLinkBandwidth(double device_to_host_bps, double host_to_device_bps) {

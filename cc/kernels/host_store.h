@@ -51,6 +51,7 @@ enum StallKind : int32_t {
   kEvictedGet = 1,       // a Get brought back a tensor passive mode had evicted
   kLatePrefetch = 2,     // a SwapIn waited for its prefetch's copy
   kEarlyPrefetch = 3,    // a prefetched tensor was evicted again before its SwapIn (guided execution's safety net)
+  kCopyWait = 4,         // an allocation waited for a copy in flight to free device memory (passive mode)
 };
 
 // A time interval the step spent waiting on the host store (removed from the ideal timeline).
@@ -59,7 +60,7 @@ struct Stall {
   int64_t end_ns = 0;
   int64_t bytes = 0;
   int32_t kind = kPassiveEviction;  // a StallKind
-  std::string name;                 // the tensor (every kind but kPassiveEviction)
+  std::string name;                 // the tensor (every kind but kPassiveEviction and kCopyWait)
 };
 
 class HostStore {

@@ -106,3 +106,28 @@ def test_after_a_step_small_waits_change_nothing_and_early_prefetches_win_over_l
     assert plan_after_step(PLAN, TRACE, {t: wait}, [], seconds=step, earlier_frozen=True) is PLAN
     both = plan_after_step(PLAN, TRACE, {t: wait}, [t], seconds=step)  # evicted again too: it moves later
     assert both is PLAN or _by_tensor(both)[t].in_trigger.time >= movable[0].in_trigger.time
+
+
+def test_an_early_prefetch_changes_the_plan_only_when_bringing_it_back_cost_a_share_of_the_step():
+    """A plan change costs a rewrite and an instantiation (seconds): an early prefetch whose on-demand swap-in took
+    microseconds leaves the plan as it is; one that took 10% of the step moves its trigger later."""
+    from capuchin_tf.policy.feedback import LATE_REPLAN_FRACTION, plan_after_step
+
+    movable = [d for d in PREFETCHED if move_triggers(PLAN, TRACE, earlier={}, later={d.tensor}) is not PLAN]
+    assert movable
+    t = movable[0].tensor
+    step = 1.0
+    cheap = {t: LATE_REPLAN_FRACTION * step / 10}
+    assert plan_after_step(PLAN, TRACE, {}, [t], seconds=step, early_waits=cheap) is PLAN
+    costly = {t: 2 * LATE_REPLAN_FRACTION * step}
+    moved = plan_after_step(PLAN, TRACE, {}, [t], seconds=step, early_waits=costly)
+    assert moved is not PLAN and _by_tensor(moved)[t].in_trigger.time > movable[0].in_trigger.time
+    # without what it cost (None), an early prefetch counts whatever it cost
+    assert plan_after_step(PLAN, TRACE, {}, [t], seconds=step) is not PLAN
+    # late waits and early costs add up: each half of the threshold alone is not enough, together they are
+    half = LATE_REPLAN_FRACTION * step * 0.6
+    late_only = [d for d in PREFETCHED if d.tensor != t]
+    if late_only:
+        other = late_only[0].tensor
+        assert plan_after_step(PLAN, TRACE, {other: half}, [t], seconds=step, early_waits={t: 0.0}) is PLAN
+        assert plan_after_step(PLAN, TRACE, {other: half}, [t], seconds=step, early_waits={t: half}) is not PLAN

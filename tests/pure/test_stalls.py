@@ -15,6 +15,15 @@ def test_late_prefetches_are_summed_per_tensor_early_ones_listed_and_waits_count
     assert list(s.early) == ["b"]
     # the early prefetch (kind 3) is not a wait: 1 s + 10 ns + 0.5 s + 0.25 s
     assert s.waited_s == pytest.approx(1.75 + 10e-9)
+    assert s.evicted == {"c": pytest.approx(0.25)}
+    assert s.by_kind == {"late_prefetch": pytest.approx(1.0 + 10e-9), "passive_eviction": pytest.approx(0.5),
+                         "evicted_get": pytest.approx(0.25)}
+
+
+def test_an_allocation_waiting_for_a_copy_in_flight_is_a_wait():
+    s = summarize({"name": [""], "kind": [StallKind.COPY_WAIT], "start_ns": [0], "end_ns": [300_000_000]})
+    assert s.waited_s == pytest.approx(0.3) and s.by_kind == {"copy_wait": pytest.approx(0.3)}
+    assert not s.late and not s.early and not s.evicted
 
 
 def test_an_unknown_kind_is_an_error_not_a_silent_zero():
