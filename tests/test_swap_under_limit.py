@@ -101,6 +101,50 @@ def test_passive_eviction_frees_one_contiguous_run_of_the_fewest_bytes(simulated
     assert r["values"] == {"0": 0.0, "5": 5.0, "6": 6.0}
 
 
+MOVE = """
+import json
+import tensorflow as tf
+import capuchin_tf
+from capuchin_tf.tf import ops
+
+MiB = 1 << 20
+# Eight 8 MiB blocks one after the other on a 96 MiB device, a free tail of 32 MiB behind them. Block 0 is freed
+# (the pool's handle, a small allocation, lands at the start of its hole), block 7, the last, goes to the pool, and
+# block 3 is freed (an 8 MiB hole); the rest stay.
+blocks = [tf.fill([2 * MiB], float(i)) for i in range(8)]
+blocks[0] = None
+handle = ops.hold(blocks[7], "p7")
+blocks[7] = blocks[3] = None
+before = ops.host_store_stats()
+ops.set_passive_mode(True)
+try:
+    big = tf.fill([9 * MiB], 9.0)  # 36 MiB: more than the tail; block 7 and the tail together are enough
+finally:
+    ops.set_passive_mode(False)
+after = ops.host_store_stats()
+big_value = float(tf.reduce_min(big))
+del big
+stat = lambda k: after[k] - before[k]
+back = ops.get(handle, tf.float32, [2 * MiB])
+print(json.dumps({"evicted": stat("passive_evicted_bytes"), "moves": stat("device_moves"),
+                  "moved": stat("device_moved_bytes"), "big": big_value,
+                  "back": [float(tf.reduce_min(back)), float(tf.reduce_max(back))],
+                  "kept": [float(tf.reduce_max(b)) for b in blocks if b is not None]}))
+"""
+
+
+def test_passive_mode_moves_a_pooled_tensor_inside_the_device_instead_of_evicting_it(simulated_device):
+    """An allocation that fails for want of one free run, with the bytes free elsewhere: the pooled tensor in the way
+    is copied into a hole elsewhere on the device (no copy over the link, nothing evicted) and reads back bit for
+    bit; with CAPUCHIN_TF_NO_DEVICE_MOVES it is evicted to host memory as before."""
+    r = simulated_device(MOVE, limit_mb=96)
+    assert r["big"] == 9.0 and r["back"] == [7.0, 7.0] and r["kept"] == [1.0, 2.0, 4.0, 5.0, 6.0], r
+    assert r["evicted"] == 0 and r["moves"] == 1 and r["moved"] == 8 * MiB, r
+    r = simulated_device(MOVE, limit_mb=96, env={"CAPUCHIN_TF_NO_DEVICE_MOVES": "1"})
+    assert r["big"] == 9.0 and r["back"] == [7.0, 7.0] and r["kept"] == [1.0, 2.0, 4.0, 5.0, 6.0], r
+    assert r["evicted"] == 8 * MiB and r["moves"] == 0, r
+
+
 def test_on_an_emulated_link_copies_on_demand_take_the_links_time_both_ways(simulated_device):
     """A link emulated at 32 MiB/s (the p100 regime's kind): passive mode's eviction of 16 MiB takes 0.5 s, and
     bringing the two 8 MiB tensors back on demand 0.25 s each, as planned swaps over that link do (a GPU's on-demand

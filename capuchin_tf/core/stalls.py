@@ -18,11 +18,13 @@ class StallKind(enum.IntEnum):
     LATE_PREFETCH = 2  # a swap-in waited for its prefetch's copy
     EARLY_PREFETCH = 3  # a prefetched tensor was evicted again before its swap-in read it
     COPY_WAIT = 4  # an allocation waited for a copy in flight to free device memory (passive mode; no tensor named)
+    DEVICE_MOVE = 5  # passive mode moved pooled tensors inside the device to make a free run (no tensor named)
 
 
-# What the step waited for (and so not computing): evictions, on-demand swap-ins, late prefetches and copies in flight.
+# What the step waited for (and so not computing): evictions, on-demand swap-ins, late prefetches, copies in flight
+# and moves inside the device.
 WAITING_KINDS = frozenset({StallKind.PASSIVE_EVICTION, StallKind.EVICTED_GET, StallKind.LATE_PREFETCH,
-                           StallKind.COPY_WAIT})
+                           StallKind.COPY_WAIT, StallKind.DEVICE_MOVE})
 
 
 @dataclasses.dataclass(frozen=True)

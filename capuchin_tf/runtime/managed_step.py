@@ -572,6 +572,7 @@ class ManagedStep:
                                 evictions=after["guided_evictions"] - before["guided_evictions"],
                                 passive_evictions=after["passive_evictions"] - before["passive_evictions"],
                                 passive_evicted_bytes=after["passive_evicted_bytes"] - before["passive_evicted_bytes"],
+                                moved_bytes=after["device_moved_bytes"] - before["device_moved_bytes"],
                                 waited_s=dict(stalls.by_kind))
             state.history.append(record)
             waited = stalls.waited_s

@@ -26,6 +26,7 @@ class StepRecord:
     evictions: int = 0  # prefetched tensors evicted again by the safety net (passive mode during guided steps)
     passive_evictions: int = 0  # pooled tensors the safety net evicted on demand (what the plan did not save)
     passive_evicted_bytes: int = 0
+    moved_bytes: int = 0  # pooled tensors' bytes the safety net moved inside the device instead (no link copy)
     planned_bytes: int = 0  # bytes the plan this step ran saved (swapped + recomputed)
     waited_s: dict = dataclasses.field(default_factory=dict)  # stall kind -> seconds the step waited (core/stalls.py)
     adjust_s: float = 0.0  # seconds the feedback took after the step (a plan change: planning, rewriting, building)

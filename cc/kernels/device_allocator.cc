@@ -195,7 +195,13 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes) {
   return AllocateRaw(alignment, num_bytes, AllocationAttributes());
 }
 
+namespace {
+// Set while CapuchinAllocator::AllocateMoved (a DeviceMover's) makes a tensor on this thread.
+thread_local bool t_moving = false;
+}  // namespace
+
 void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const AllocationAttributes& attr) {
+  if (t_moving) return AllocateOutsideWindow(alignment, num_bytes);
   // No budget (or one the device's own limit already enforces): the path below, unchanged, at the cost of this load.
   const int64_t budget = enforced_budget_.load(std::memory_order_relaxed);
   if (budget > 0) return AllocateWithinBudget(alignment, num_bytes, attr, budget);
@@ -228,6 +234,7 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const A
       {
         std::unique_lock<std::shared_mutex> exclusive(evict_mu_);
         ptr = base_->AllocateRaw(alignment, num_bytes, no_retry);
+        if (ptr == nullptr && MoveFor(num_bytes) > 0) ptr = base_->AllocateRaw(alignment, num_bytes, no_retry);
         while (ptr == nullptr && store->EvictFor(static_cast<int64_t>(num_bytes), ChunkMap()) > 0) {
           ptr = base_->AllocateRaw(alignment, num_bytes, no_retry);
         }
@@ -350,9 +357,14 @@ void* CapuchinAllocator::AllocateWithinBudget(size_t alignment, size_t num_bytes
       int64_t generation = -1;
       {
         std::unique_lock<std::shared_mutex> exclusive(evict_mu_);
+        bool moved = false;  // within the budget without a free run: tensors moved inside the device once
         for (;;) {
           ptr = Admit(budget, bytes_added, &excess, [&] { return base_->AllocateRaw(alignment, num_bytes, no_retry); });
           if (ptr != nullptr) break;
+          if (excess == 0 && !moved) {
+            moved = true;
+            if (MoveFor(num_bytes) > 0) continue;
+          }
           const int64_t freed = excess > 0 ? store->EvictFor(excess, ChunkMap(), /*contiguous=*/false)
                                            : store->EvictFor(static_cast<int64_t>(num_bytes), ChunkMap());
           if (freed == 0) break;
@@ -377,6 +389,62 @@ void* CapuchinAllocator::AllocateWithinBudget(size_t alignment, size_t num_bytes
   }
   if (ptr != nullptr && trace_owners_) RecordOwner(ptr, num_bytes);
   return ptr;
+}
+
+int64_t CapuchinAllocator::MoveFor(size_t num_bytes) {
+  if (bfc_ == nullptr || !Config::Get().device_moves) return 0;
+  return HostStore::Global()->MoveFor(static_cast<int64_t>(num_bytes), ChunkMap(), this);
+}
+
+void CapuchinAllocator::Reserve(uint64_t begin, uint64_t end, const std::vector<ChunkSpan>& chunks, int64_t min_bytes) {
+  window_begin_ = begin;
+  window_end_ = end;
+  const int64_t budget = enforced_budget_.load(std::memory_order_relaxed);
+  AllocationAttributes no_retry(false, false, nullptr);
+  for (const ChunkSpan& c : chunks) {
+    if (c.in_use || c.address < begin || c.address + static_cast<uint64_t>(c.size) > end || c.size < min_bytes) {
+      continue;
+    }
+    // BFC's best fit for exactly this size is the lowest free chunk of this size: reserve until it is this one
+    // (the others reserved on the way are freed with it). A bounded number of tries: a chunk not reserved only makes
+    // the move likelier to land in the window, which Allocate refuses.
+    for (int tries = 0; tries < 8; tries++) {
+      int64_t excess = 0;
+      auto allocate = [&] { return base_->AllocateRaw(Allocator::kAllocatorAlignment, c.size, no_retry); };
+      void* p = budget > 0 ? Admit(budget, MaxBytesAdded(c.size), &excess, allocate) : allocate();
+      if (p == nullptr) break;
+      reserved_.push_back(p);
+      if (reinterpret_cast<uint64_t>(p) == c.address) break;
+    }
+  }
+}
+
+void* CapuchinAllocator::AllocateOutsideWindow(size_t alignment, size_t num_bytes) {
+  AllocationAttributes no_retry(false, false, nullptr);
+  const int64_t budget = enforced_budget_.load(std::memory_order_relaxed);
+  int64_t excess = 0;
+  auto allocate = [&] { return base_->AllocateRaw(alignment, num_bytes, no_retry); };
+  void* p = budget > 0 ? Admit(budget, MaxBytesAdded(num_bytes), &excess, allocate) : allocate();
+  const uint64_t a = reinterpret_cast<uint64_t>(p);
+  if (p != nullptr && a + num_bytes > window_begin_ && a < window_end_) {
+    base_->DeallocateRaw(p);
+    return nullptr;
+  }
+  if (p != nullptr && trace_owners_) RecordOwner(p, num_bytes);
+  return p;
+}
+
+Tensor CapuchinAllocator::AllocateMoved(DataType dtype, const TensorShape& shape) {
+  t_moving = true;
+  Tensor t(this, dtype, shape);
+  t_moving = false;
+  return t;
+}
+
+void CapuchinAllocator::Release() {
+  for (void* p : reserved_) base_->DeallocateRaw(p);
+  reserved_.clear();
+  window_begin_ = window_end_ = 0;
 }
 
 void CapuchinAllocator::RecordRefusal(size_t num_bytes) {

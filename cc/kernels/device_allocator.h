@@ -32,7 +32,7 @@
 namespace tensorflow {
 namespace capuchin {
 
-class CapuchinAllocator : public Allocator {
+class CapuchinAllocator : public Allocator, private DeviceMover {
  public:
   // `bfc`: the same allocator as `base` when it is the simulated device's BFC (its memory map guides passive
   // eviction), else nullptr.
@@ -121,6 +121,20 @@ class CapuchinAllocator : public Allocator {
 
   // The allocator a pointer came from: the small pool if it lies in the pool's region, else `base`.
   Allocator* Owner(const void* ptr) const;
+
+  // DeviceMover (HostStore::MoveFor), on the simulated device: Reserve allocates the window's free chunks (the
+  // same size again, which BFC's best fit gives the lowest free chunk of exactly that size, until it is the window's),
+  // AllocateMoved makes a tensor of this allocator that BFC places outside the window, within the budget, and Release
+  // frees the reserved chunks. Run with `evict_mu_` held alone.
+  void Reserve(uint64_t begin, uint64_t end, const std::vector<ChunkSpan>& chunks, int64_t min_bytes) override;
+  Tensor AllocateMoved(DataType dtype, const TensorShape& shape) override;
+  void Release() override;
+  // AllocateRaw while AllocateMoved runs: from the device, never waiting or evicting, nullptr inside the window.
+  void* AllocateOutsideWindow(size_t alignment, size_t num_bytes);
+  // MoveFor with this wrapper as the mover, when moves are on and the device is the simulated one.
+  int64_t MoveFor(size_t num_bytes);
+  std::vector<void*> reserved_;
+  uint64_t window_begin_ = 0, window_end_ = 0;
 
   // AllocateRaw while a budget (`budget` bytes, below the device's limit) is set.
   void* AllocateWithinBudget(size_t alignment, size_t num_bytes, const AllocationAttributes& attr, int64_t budget);

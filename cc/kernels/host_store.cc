@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <unordered_set>
 #include <utility>
 
@@ -258,6 +259,56 @@ int64_t HostStore::EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* 
   }
   drop.clear();  // frees the device buffers, outside the lock
   return freed;
+}
+
+int64_t HostStore::MoveFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks, DeviceMover* mover) {
+  if (chunks == nullptr || mover == nullptr) return 0;
+  const int64_t start = NowNs();
+  std::vector<Tensor> drop;
+  int64_t moved = 0;
+  bool reserved = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const EvictionChoice choice = pool_.Choose(entries_, out_queue_, bytes_needed, chunks, /*contiguous=*/true);
+    if (choice.window_end == 0) return 0;
+    std::vector<std::shared_ptr<Entry>> movable;
+    int64_t min_bytes = std::numeric_limits<int64_t>::max();
+    for (const auto& e : choice.chosen) {
+      // Not a swap-out still queued (its copy worker reads the buffer) nor a swap-in under way.
+      if (e->state != Residency::kIn || e->released || e->bytes <= 0 || !e->device.IsInitialized() ||
+          !e->device.RefCountIsOne() || !DataTypeCanUseMemcpy(e->dtype)) {
+        continue;
+      }
+      movable.push_back(e);
+      min_bytes = std::min(min_bytes, e->bytes);
+    }
+    if (movable.empty()) return 0;
+    // The largest first: they have the fewest places to go.
+    std::stable_sort(
+        movable.begin(), movable.end(),
+        [](const std::shared_ptr<Entry>& a, const std::shared_ptr<Entry>& b) { return a->bytes > b->bytes; });
+    mover->Reserve(choice.window_begin, choice.window_end, *chunks, min_bytes);
+    reserved = true;
+    for (const auto& e : movable) {
+      Tensor target = mover->AllocateMoved(e->dtype, e->shape);
+      if (!target.IsInitialized() || target.TotalBytes() != static_cast<size_t>(e->bytes)) continue;
+      std::memcpy(const_cast<char*>(target.tensor_data().data()), e->device.tensor_data().data(), e->bytes);
+      drop.push_back(std::move(e->device));
+      e->device = std::move(target);
+      moved += e->bytes;
+      counters_.device_moves++;
+      counters_.device_moved_bytes += e->bytes;
+    }
+    trace_->Moved(bytes_needed, choice.window_begin - chunks->front().address, choice.window_end - choice.window_begin,
+                  static_cast<int64_t>(movable.size()), moved);
+  }
+  drop.clear();                    // frees the window's buffers, outside the lock
+  if (reserved) mover->Release();  // then what Reserve took: the window's memory is one free chunk again
+  if (moved > 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stalls_.push_back(Stall{start, NowNs(), moved, kDeviceMove, ""});
+  }
+  return moved;
 }
 
 bool HostStore::Evict(const std::shared_ptr<Entry>& e, bool queued, int64_t start_ns, std::vector<Tensor>* drop) {

@@ -52,6 +52,7 @@ enum StallKind : int32_t {
   kLatePrefetch = 2,     // a SwapIn waited for its prefetch's copy
   kEarlyPrefetch = 3,    // a prefetched tensor was evicted again before its SwapIn (guided execution's safety net)
   kCopyWait = 4,         // an allocation waited for a copy in flight to free device memory (passive mode)
+  kDeviceMove = 5,       // passive mode moved pooled tensors inside the device to make a free run (MoveFor)
 };
 
 // A time interval the step spent waiting on the host store (removed from the ideal timeline).
@@ -60,7 +61,20 @@ struct Stall {
   int64_t end_ns = 0;
   int64_t bytes = 0;
   int32_t kind = kPassiveEviction;  // a StallKind
-  std::string name;                 // the tensor (every kind but kPassiveEviction and kCopyWait)
+  std::string name;                 // the tensor (every kind but kPassiveEviction, kCopyWait and kDeviceMove)
+};
+
+// Where passive mode can move a tensor inside the device instead of evicting it over the link: the allocator
+// wrapper, which knows the device's memory. Reserve keeps the free chunks of [begin, end) in `chunks` that are at
+// least `min_bytes` large from being allocated; AllocateMoved makes a device tensor that lies outside [begin, end) (an
+// uninitialized one when there is no room for it there, or the memory budget has none); Release frees what Reserve
+// took. Called by one thread at a time (the one allocation that evicts).
+class DeviceMover {
+ public:
+  virtual ~DeviceMover() = default;
+  virtual void Reserve(uint64_t begin, uint64_t end, const std::vector<ChunkSpan>& chunks, int64_t min_bytes) = 0;
+  virtual Tensor AllocateMoved(DataType dtype, const TensorShape& shape) = 0;
+  virtual void Release() = 0;
 };
 
 class HostStore {
@@ -105,6 +119,12 @@ class HostStore {
   // `chunks`: the device's memory map in address order, when the allocator can tell (the simulated device's BFC);
   // `contiguous` false: any `bytes_needed` bytes will do. TensorPool::Choose (tensor_pool.h) says what is evicted.
   int64_t EvictFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks = nullptr, bool contiguous = true);
+  // Before EvictFor, when the allocation failed for want of one free run (not of bytes): the tensors of the window
+  // EvictFor would choose for `bytes_needed` are moved to device memory outside it (`mover`), copied at memory speed
+  // instead of over the link, and stay on the device. A tensor is moved only when nobody but the store holds it and it
+  // is not on its way to or from host memory; one the mover finds no room for stays (EvictFor then takes it). Returns
+  // the bytes moved: 0 without a map or a window, or when nothing in it could be moved.
+  int64_t MoveFor(int64_t bytes_needed, const std::vector<ChunkSpan>* chunks, DeviceMover* mover);
   // Copies in flight free device memory when they finish (a swap-out) or make an evictable tensor (a prefetch).
   // CopyGeneration: -1 when no copy is pending, else a number that changes each time one finishes; WaitForCopy
   // waits until it changed or the deadline (CLOCK_MONOTONIC ns) passed, and says whether it changed.

@@ -26,6 +26,14 @@ class EvictionTrace : public StoreTrace {
     if (freed == 0 && debug_) LogNothingFreed(bytes_needed, entries, pending_copies);
   }
 
+  void Moved(int64_t bytes_needed, uint64_t offset, uint64_t size, int64_t movable, int64_t moved) override {
+    if (!trace_) return;
+    const std::string line = "capuchin: MoveFor(" + std::to_string(bytes_needed) + ") window " +
+                             std::to_string(offset) + "+" + std::to_string(size) + " movable " +
+                             std::to_string(movable) + " moved " + std::to_string(moved) + "\n";
+    std::fwrite(line.data(), 1, line.size(), stderr);
+  }
+
  private:
   // One line on stderr: what was evicted and, with a memory map, every chunk named by what holds it.
   void WriteEviction(int64_t bytes_needed, const EvictionChoice& choice, int64_t freed,

@@ -35,6 +35,9 @@ class StoreTrace {
   // the memory map it was chosen from (or nullptr), `entries` the store's entries after it.
   virtual void Evicted(int64_t bytes_needed, const EvictionChoice& choice, int64_t freed,
                        const std::vector<ChunkSpan>* chunks, const EntryMap& entries, int64_t pending_copies) {}
+  // A MoveFor for an allocation of `bytes_needed` bytes moved `moved` bytes of `movable` tensors out of the window
+  // of `size` bytes at `offset` from the device's first chunk.
+  virtual void Moved(int64_t bytes_needed, uint64_t offset, uint64_t size, int64_t movable, int64_t moved) {}
 };
 
 }  // namespace capuchin

@@ -11,9 +11,10 @@ namespace {
 // contiguous in memory, whose sizes add up to `need`: its evictable addresses. Empty when there is none, or
 // when the cheapest needs no eviction (a free chunk that large exists: another thread freed it meanwhile). Windows
 // ending at each chunk are shrunk from the left while still large enough; costs are non-negative, so that is the
-// cheapest window ending there.
+// cheapest window ending there. `*begin` and `*end`: the window's address range, when one is returned.
 std::vector<uint64_t> CheapestWindow(const std::vector<ChunkSpan>& chunks,
-                                     const std::function<bool(uint64_t)>& evictable, int64_t need) {
+                                     const std::function<bool(uint64_t)>& evictable, int64_t need, uint64_t* begin,
+                                     uint64_t* end) {
   std::vector<uint64_t> best;
   int64_t best_cost = -1;
   size_t i = 0;
@@ -43,12 +44,17 @@ std::vector<uint64_t> CheapestWindow(const std::vector<ChunkSpan>& chunks,
     if (sum >= need && (best_cost < 0 || cost < best_cost)) {
       best_cost = cost;
       best.clear();
+      *begin = chunks[i].address;
+      *end = chunks[j].address + static_cast<uint64_t>(chunks[j].size);
       for (size_t k = i; k <= j; k++) {
         if (chunks[k].in_use) best.push_back(chunks[k].address);
       }
     }
   }
-  if (best_cost <= 0) best.clear();
+  if (best_cost <= 0) {
+    best.clear();
+    *begin = *end = 0;
+  }
   return best;
 }
 
@@ -117,7 +123,7 @@ EvictionChoice TensorPool::Choose(const EntryMap& entries, const std::deque<std:
     // BFC rounds every request up to a multiple of 256 bytes.
     const int64_t need = (bytes_needed + 255) / 256 * 256;
     const auto is_evictable = [&entry_at](uint64_t a) { return entry_at.count(a) > 0; };
-    for (uint64_t a : CheapestWindow(*chunks, is_evictable, need)) {
+    for (uint64_t a : CheapestWindow(*chunks, is_evictable, need, &choice.window_begin, &choice.window_end)) {
       chosen.push_back(entry_at[a]);
       freed += entry_at[a]->bytes;
     }

@@ -22,7 +22,10 @@ struct EvictionChoice {
   std::vector<std::shared_ptr<StoreEntry>> evictable;  // in preference order
   std::vector<std::shared_ptr<StoreEntry>> chosen;     // to evict, in order
   int64_t freed = 0;                                   // the bytes of `chosen`
-  std::unordered_set<const StoreEntry*> queued;        // swap-outs still queued behind the copy worker
+  // The contiguous run of memory `chosen` lies in, [window_begin, window_end), when a window was chosen (else 0, 0).
+  uint64_t window_begin = 0;
+  uint64_t window_end = 0;
+  std::unordered_set<const StoreEntry*> queued;  // swap-outs still queued behind the copy worker
   // Where each evictable tensor's buffer starts (taken before anything is evicted; traces name them).
   std::unordered_map<uint64_t, std::shared_ptr<StoreEntry>> entry_at;
 };
