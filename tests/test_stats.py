@@ -32,7 +32,7 @@ def test_host_store_stats_are_named_by_the_library():
     assert tuple(stats) == ops.HOST_STORE_STAT_FIELDS
     assert len(ops.HOST_STORE_STAT_FIELDS) == len(values) == len(set(ops.HOST_STORE_STAT_FIELDS))
     assert ops.HOST_STORE_STAT_FIELDS[:3] == ("host_bytes", "peak_host_bytes", "live_handles")
-    assert ops.HOST_STORE_STAT_FIELDS[-1] == "expedited_swap_outs"
+    assert ops.HOST_STORE_STAT_FIELDS[-3:] == ("expedited_swap_outs", "device_moves", "device_moved_bytes")
     assert all(isinstance(v, int) for v in stats.values())
 
 

@@ -136,11 +136,11 @@ print(json.dumps({"evicted": stat("passive_evicted_bytes"), "moves": stat("devic
 def test_passive_mode_moves_a_pooled_tensor_inside_the_device_instead_of_evicting_it(simulated_device):
     """An allocation that fails for want of one free run, with the bytes free elsewhere: the pooled tensor in the way
     is copied into a hole elsewhere on the device (no copy over the link, nothing evicted) and reads back bit for
-    bit; with CAPUCHIN_TF_NO_DEVICE_MOVES it is evicted to host memory as before."""
-    r = simulated_device(MOVE, limit_mb=96)
+    bit (CAPUCHIN_TF_DEVICE_MOVES set); without it, it is evicted to host memory."""
+    r = simulated_device(MOVE, limit_mb=96, env={"CAPUCHIN_TF_DEVICE_MOVES": "1"})
     assert r["big"] == 9.0 and r["back"] == [7.0, 7.0] and r["kept"] == [1.0, 2.0, 4.0, 5.0, 6.0], r
     assert r["evicted"] == 0 and r["moves"] == 1 and r["moved"] == 8 * MiB, r
-    r = simulated_device(MOVE, limit_mb=96, env={"CAPUCHIN_TF_NO_DEVICE_MOVES": "1"})
+    r = simulated_device(MOVE, limit_mb=96)
     assert r["big"] == 9.0 and r["back"] == [7.0, 7.0] and r["kept"] == [1.0, 2.0, 4.0, 5.0, 6.0], r
     assert r["evicted"] == 8 * MiB and r["moves"] == 0, r
 

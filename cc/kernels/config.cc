@@ -58,7 +58,7 @@ Config Config::FromEnvironment() {
   }
   c.trace_evict = std::getenv("CAPUCHIN_TF_TRACE_EVICT") != nullptr;
   c.debug_evict = std::getenv("CAPUCHIN_TF_DEBUG_EVICT") != nullptr;
-  c.device_moves = std::getenv("CAPUCHIN_TF_NO_DEVICE_MOVES") == nullptr;
+  c.device_moves = std::getenv("CAPUCHIN_TF_DEVICE_MOVES") != nullptr;
   return c;
 }
 

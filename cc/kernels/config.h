@@ -14,9 +14,10 @@
 //   CAPUCHIN_TF_TRACE_EVICT
 //       set (any value): every passive eviction writes a line to stderr, with the device's memory map, each chunk
 //       named by the tensor or op it holds. Default: unset, no trace.
-//   CAPUCHIN_TF_NO_DEVICE_MOVES
-//       set (any value): passive mode evicts to host memory what it would otherwise move inside the device to make a
-//       free run for an allocation (HostStore::MoveFor). Default: unset, tensors are moved (measurements compare).
+//   CAPUCHIN_TF_DEVICE_MOVES
+//       set (any value): passive mode moves the pooled tensors in the way of an allocation that lacks one free run
+//       inside the device instead of evicting them to host memory (HostStore::MoveFor). Default: unset, evicted (the
+//       moves are not yet a measured win: docs/decisions.md, "Moved inside the device").
 //   CAPUCHIN_TF_DEBUG_EVICT
 //       set (any value): an eviction that frees nothing logs what the store holds on the device, and a passive-mode
 //       allocation that cannot be satisfied fails the allocator's own way (which logs its chunks) instead of at once.
@@ -40,7 +41,7 @@ struct Config {
   int64_t host_pool_bytes = int64_t{2048} << 20;
   bool trace_evict = false;
   bool debug_evict = false;
-  bool device_moves = true;
+  bool device_moves = false;
 
   // The process's settings, read from the environment at the first call (when TensorFlow creates its devices).
   static const Config& Get();
