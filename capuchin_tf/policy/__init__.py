@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from capuchin_tf.core.access_trace import AccessTrace
@@ -43,6 +43,9 @@ class Policy:
     plan: PolicyFn
     safety_net: bool = False  # guided steps keep passive mode's pool and evict on demand what the plan missed
     runtime_options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    # Policies whose plans a managed step measures against this one's when its guided steps wait for copies on
+    # demand (policy.feedback, "measured arbitration"); kept only if measured faster.
+    trials: tuple[str, ...] = ()
 
     def __call__(self, *args, **kwargs) -> Plan:
         return self.plan(*args, **kwargs)
@@ -59,14 +62,15 @@ class UnknownPolicyError(KeyError):
 
 
 def register_policy(name: str, fn: PolicyFn, *, safety_net: bool = False,
-                    runtime_options: Mapping[str, Any] | None = None, replace: bool = False) -> None:
+                    runtime_options: Mapping[str, Any] | None = None, trials: Sequence[str] = (),
+                    replace: bool = False) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError("a policy name is a non-empty string")
     if name in POLICIES and not replace:
         raise ValueError(f"policy {name!r} is already registered")
     if isinstance(fn, Policy):
         fn = fn.plan
-    POLICIES[name] = Policy(name, fn, safety_net, types.MappingProxyType(dict(runtime_options or {})))
+    POLICIES[name] = Policy(name, fn, safety_net, types.MappingProxyType(dict(runtime_options or {})), tuple(trials))
 
 
 register_policy("tf", plan_tf)
@@ -76,8 +80,10 @@ register_policy("swap-only", plan_swap_only, safety_net=True)
 register_policy("recompute-only", plan_recompute_only, safety_net=True)
 # A step must run a plan that fits: when the hybrid greedy paints itself into a corner and one of its halves fits,
 # that half's plan runs (docs/policy.md, "fallback"); the policy benchmarks call plan_capuchin without it, so that they
-# compare the paper's algorithm as it is.
-register_policy("capuchin", plan_capuchin, safety_net=True, runtime_options={"fallback": True})
+# compare the paper's algorithm as it is. Beyond the paper, a managed step measures the checkpoint plan against the
+# hybrid's when the copies on demand make guided steps slow (policy.feedback, "measured arbitration"); Capuchin's
+# halves, run as baselines, do not.
+register_policy("capuchin", plan_capuchin, safety_net=True, runtime_options={"fallback": True}, trials=("checkpoint",))
 
 
 def get_policy(name: str) -> Policy:

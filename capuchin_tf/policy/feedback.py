@@ -102,3 +102,44 @@ def tighter_plan(plan_for: Callable[[int], Plan], current_budget: int,
     if current_plan is not None and plan.predicted_peak_bytes >= current_plan.predicted_peak_bytes:
         return None
     return budget, plan
+
+
+# ---- measured arbitration (beyond the paper) ------------------------------------------------------------------------
+# The simulator models memory as bytes, not as the allocator's layout: a plan that fits by bytes can still wait for
+# copies on demand every step, where a plan of another shape runs with room to spare (docs/decisions.md, "Measured
+# arbitration: a plan the copies on demand make slow is measured against the checkpoint plan"). So when a settled
+# guided step waits for copies on demand for at least TRIAL_FRACTION of its time, the plans of the policy's `trials`
+# (policy.Policy) are tried, each for TRIAL_STEPS measured steps (after the first, which instantiates the new step),
+# and kept only when measured faster than the plan that ran.
+ON_DEMAND_KINDS = ("passive_eviction", "evicted_get", "copy_wait", "device_move")  # core/stalls.py, lower case
+TRIAL_FRACTION = 0.05
+TRIAL_PEAK_SLACK = 0.05  # a trial plan predicted this fraction over the budget is still tried (the safety net stays)
+TRIAL_STEPS = 2
+TRIAL_KEEP = 0.97  # the trial plan is kept when its median step is at most this fraction of the incumbent's
+
+
+def on_demand_s(waited: Mapping[str, float]) -> float:
+    """Seconds a step waited for copies on demand (evictions, on-demand swap-ins, copies in flight, moves)."""
+    return sum(float(waited.get(k, 0.0)) for k in ON_DEMAND_KINDS)
+
+
+def wants_trial(waited: Mapping[str, float], seconds: float) -> bool:
+    """Whether a settled guided step's waits for copies on demand justify measuring another plan."""
+    return seconds > 0 and on_demand_s(waited) >= TRIAL_FRACTION * seconds
+
+
+def trial_candidate(plan: Plan, budget: int) -> bool:
+    """Whether a trial policy's `plan` may be tried under `budget`: nothing unreachable, predicted within
+    TRIAL_PEAK_SLACK of the budget."""
+    return plan.unreachable_op is None and plan.predicted_peak_bytes <= budget * (1 + TRIAL_PEAK_SLACK)
+
+
+def median(xs) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return 0.0 if n == 0 else (xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2)
+
+
+def trial_keeps(incumbent_s: float, trial_steps_s) -> bool:
+    """Whether the trial plan stays: its median measured step at most TRIAL_KEEP of the incumbent's."""
+    return median(trial_steps_s) <= TRIAL_KEEP * incumbent_s

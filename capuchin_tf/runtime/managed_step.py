@@ -62,7 +62,16 @@ from capuchin_tf.core.graph_model import fold_views, shape_of, split_tensor_id, 
 from capuchin_tf.core.plan import Plan
 from capuchin_tf.core.stalls import summarize as summarize_stalls
 from capuchin_tf.policy import POLICIES, make_plan
-from capuchin_tf.policy.feedback import TIGHTEN, plan_after_step, tighter_plan
+from capuchin_tf.policy.feedback import (
+    TIGHTEN,
+    TRIAL_STEPS,
+    median,
+    plan_after_step,
+    tighter_plan,
+    trial_candidate,
+    trial_keeps,
+    wants_trial,
+)
 from capuchin_tf.policy.plan_cache import CacheKey, PlanCache
 from capuchin_tf.policy.simulator import lower_bound_s
 from capuchin_tf.runtime import recovery
@@ -129,6 +138,10 @@ class ManagedStep:
                 "replans": st.replans,
                 "settled": st.steps_since_change >= self.options.settle_steps,
                 "fallback_reason": st.fallback_reason,
+                # the policy whose plan runs (another than the step's policy after a measured arbitration), and each
+                # trial policy considered -> what came of it (policy.feedback, "measured arbitration")
+                "plan_policy": plan.policy if plan else None,
+                "trials": dict(st.tried),
                 "passive_only": st.passive_only,
                 "from_cache": st.from_cache,
                 "speedup": st.speedup,
@@ -523,6 +536,10 @@ class ManagedStep:
                     # measured one): from now on the plan, made for it.
                     self._plan_and_rewrite(state, args, self.options.budget_bytes, force=True)
                     continue
+                if state.trial is not None:
+                    # A trial plan (measured arbitration) ran out of memory: back to the plan that ran before it.
+                    self._end_trial(state, keep=False, why="it ran out of memory")
+                    continue
                 if retried > self.options.max_retries:
                     # The last resort: this step in passive mode (the measured step's mechanism, which completed
                     # under this budget), then back to the tightened plan.
@@ -589,7 +606,9 @@ class ManagedStep:
                 t_adjust = time.perf_counter()
                 if relinked:
                     late, early = {}, []
-                record.plan_changed = self._adjust(state, args, late, early, peak, seconds, dict(stalls.evicted))
+                arbitrated = self._arbitrate(state, args, record) if state.fn is not None and not retried else None
+                record.plan_changed = (arbitrated if arbitrated is not None else
+                                       self._adjust(state, args, late, early, peak, seconds, dict(stalls.evicted)))
                 record.adjust_s = time.perf_counter() - t_adjust
             state.steps_since_change = 0 if record.plan_changed or retried else state.steps_since_change + 1
             return outputs
@@ -698,6 +717,69 @@ class ManagedStep:
         if self.options.verbose:
             print("capuchin_tf: back to the plan of the last guided step that completed; late prefetches no longer "
                   "move triggers earlier", flush=True)
+
+    def _arbitrate(self, state: SignatureState, args, record: StepRecord) -> bool | None:
+        """Measured arbitration after a guided step (policy.feedback: wants_trial, trial_keeps): a settled step that
+        waited for copies on demand for TRIAL_FRACTION of its time has the plan of each of the policy's `trials` tried
+        for TRIAL_STEPS measured steps, kept only if measured faster. True: the plan changed; False: it did not and the
+        feedback leaves this step (a trial under way); None: no arbitration, the feedback goes on."""
+        trial = state.trial
+        if trial is not None:
+            trial["steps"] += 1
+            if trial["steps"] > 1:  # the first step of the trial plan instantiates it
+                trial["seconds"].append(record.seconds)
+            if len(trial["seconds"]) < TRIAL_STEPS:
+                return False
+            keep = trial_keeps(trial["incumbent_s"], trial["seconds"])
+            self._end_trial(state, keep, why=f"median step {median(trial['seconds']):.3f} s against "
+                                              f"{trial['incumbent_s']:.3f} s")
+            return not keep
+        untried = [n for n in POLICIES[self.options.policy].trials if n not in state.tried and n != self.options.policy]
+        if not self.safety_net or not untried or state.replans >= self.options.max_replans:
+            return None
+        if not wants_trial(record.waited_s, record.seconds):
+            return None
+        if state.steps_since_change < 1:
+            # The first step of a plan instantiates it: the next one, unchanged, is the one the trial is measured
+            # against (moving triggers for late prefetches first would put the trial off by a step per change).
+            return False
+        device_model = self._device_model(state.trace, state)
+        for name in untried:
+            state.tried[name] = "not a candidate"
+            try:
+                plan = make_plan(state.trace, state.plan_budget, name, device_model)
+            except Exception as e:  # a trial is an optimization: a policy that cannot plan this step is not tried
+                if self.options.verbose:
+                    print(f"capuchin_tf: no {name} plan to try ({type(e).__name__}: {e})", flush=True)
+                state.tried[name] = f"not tried: {type(e).__name__}: {e}"
+                continue
+            if not trial_candidate(plan, state.plan_budget):
+                state.tried[name] = (f"not tried: predicted peak {plan.predicted_peak_bytes} bytes for a budget of "
+                                     f"{state.plan_budget}" if plan.unreachable_op is None else
+                                     f"not tried: op {plan.unreachable_op!r} does not fit")
+                continue
+            ran = [r.seconds for r in state.history[-state.steps_since_change:] if r.phase == "guided"][-3:]
+            incumbent = (state.plan, state.plan_budget, state.fn, state.guided_def)
+            if self.options.verbose:
+                print(f"capuchin_tf: guided steps wait {record.waited_s} for copies on demand; trying the {name} "
+                      "plan", flush=True)
+            if self._install(state, args, plan, state.plan_budget):
+                state.replans += 1
+                state.trial = {"incumbent": incumbent, "incumbent_s": median(ran), "policy": name, "steps": 0,
+                               "seconds": []}
+                state.tried[name] = "on trial"
+                return True
+            state.tried[name] = "not tried: the plan could not be applied"
+        return None
+
+    def _end_trial(self, state: SignatureState, keep: bool, why: str) -> None:
+        trial, state.trial = state.trial, None
+        state.tried[trial["policy"]] = f"{'kept' if keep else 'dropped'}: {why}"
+        if not keep:
+            state.plan, state.plan_budget, state.fn, state.guided_def = trial["incumbent"]
+            state.good = trial["incumbent"]
+        if self.options.verbose:
+            print(f"capuchin_tf: the {trial['policy']} plan {'stays' if keep else 'is dropped'} ({why})", flush=True)
 
     def _adjust(self, state: SignatureState, args, late: Mapping[str, float], early: list[str], peak: int,
                 seconds: float, early_waits: Mapping[str, float] | None = None) -> bool:

@@ -67,6 +67,11 @@ class SignatureState:
     # The plan of the last guided step that completed (after retries or not): (plan, plan budget, fn, its GraphDef).
     good: tuple | None = None
     earlier_frozen: bool = False  # late prefetches no longer move triggers earlier (that had run out of memory)
+    # Measured arbitration (policy.feedback.wants_trial): the trial under way, as a dict (incumbent: (plan, plan
+    # budget, fn, GraphDef) of the plan that ran before; incumbent_s: its median step; policy; steps: steps run with
+    # the trial plan; seconds: those measured, after the first), and each policy considered -> what came of it.
+    trial: dict | None = None
+    tried: dict = dataclasses.field(default_factory=dict)
 
 
 def signature_key(concrete, args) -> str:

@@ -131,3 +131,36 @@ def test_an_early_prefetch_changes_the_plan_only_when_bringing_it_back_cost_a_sh
         other = late_only[0].tensor
         assert plan_after_step(PLAN, TRACE, {other: half}, [t], seconds=step, early_waits={t: 0.0}) is PLAN
         assert plan_after_step(PLAN, TRACE, {other: half}, [t], seconds=step, early_waits={t: half}) is not PLAN
+
+
+def test_measured_arbitration_opens_a_trial_only_for_waits_on_demand_of_a_share_of_the_step():
+    """wants_trial counts evictions, on-demand swap-ins, copies in flight and moves, not late prefetches; a trial
+    plan is tried only when it reaches every op and is predicted within TRIAL_PEAK_SLACK of the budget; it stays only
+    when its median measured step is TRIAL_KEEP of the incumbent's or less."""
+    import dataclasses
+
+    from capuchin_tf.policy.feedback import (
+        TRIAL_FRACTION,
+        TRIAL_KEEP,
+        TRIAL_PEAK_SLACK,
+        on_demand_s,
+        trial_candidate,
+        trial_keeps,
+        wants_trial,
+    )
+
+    step = 1.0
+    assert on_demand_s({"passive_eviction": 0.1, "evicted_get": 0.2, "late_prefetch": 5.0}) == 0.1 + 0.2
+    assert not wants_trial({"late_prefetch": 0.9}, step)
+    assert not wants_trial({"passive_eviction": TRIAL_FRACTION * step / 2}, step)
+    assert wants_trial({"passive_eviction": TRIAL_FRACTION * step / 2, "evicted_get": TRIAL_FRACTION * step / 2},
+                       step)
+    assert not wants_trial({"evicted_get": 1.0}, 0.0)
+    budget = PLAN.predicted_peak_bytes
+    assert trial_candidate(PLAN, budget)
+    assert trial_candidate(PLAN, int(budget / (1 + TRIAL_PEAK_SLACK)) + 1)
+    assert not trial_candidate(PLAN, int(budget / (1 + TRIAL_PEAK_SLACK) * 0.99))
+    assert not trial_candidate(dataclasses.replace(PLAN, unreachable_op="x"), budget)
+    assert trial_keeps(1.0, [TRIAL_KEEP, TRIAL_KEEP])
+    assert not trial_keeps(1.0, [TRIAL_KEEP + 0.01, TRIAL_KEEP + 0.01])
+    assert trial_keeps(1.0, [0.5, 0.9, 5.0])  # the median: one slow step does not decide
