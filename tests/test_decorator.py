@@ -519,3 +519,52 @@ def test_a_plan_predicted_over_the_budget_that_runs_out_of_memory_goes_passive_o
             step._guided(state, ())
         assert not state.passive_only and not passive
     assert ("restore", {0}) in log
+
+
+TRIAL = """
+import hashlib, json
+import numpy as np
+import tensorflow as tf
+import capuchin_tf
+import capuchin_tf.policy.feedback as feedback
+from capuchin_tf.cli import models
+
+feedback.TRIAL_FRACTION = {fraction}  # 0: any settled guided step opens the trial (the test forces one)
+setup = models.build("transformer", 32)
+if {budget}:
+    step = capuchin_tf.function(setup.train_step, memory_budget={budget}, policy="capuchin", link="p100")
+    losses = [step(*setup.inputs) for _ in range({steps})]
+    (report,) = step.report().values()
+    result = dict(trials=report["trials"], plan_policy=report["plan_policy"],
+                  phases=[s["phase"] for s in report["steps"]], peaks=[s["peak_bytes"] for s in report["steps"]])
+else:
+    losses = [setup.train_step(*setup.inputs) for _ in range({steps})]
+    result = {{}}
+result["losses"] = [float.hex(float(x)) for x in losses]
+h = hashlib.sha256()
+for v in setup.variables:
+    h.update(np.asarray(v.numpy()).tobytes())
+result["digest"] = h.hexdigest()
+print(json.dumps(result))
+"""
+# The quick tier's transformer at persistent + half its transient peak (docs/results.md, the quick tier's suite).
+TRIAL_BUDGET_MB, TRIAL_STEPS = 79, 7
+
+
+def test_a_measured_arbitration_tries_the_checkpoint_plan_and_the_step_stays_bit_for_bit(simulated_device):
+    """Measured arbitration (policy.feedback, "measured arbitration"), forced: the second guided step opens a trial of
+    the checkpoint plan, which runs two measured steps after the one that instantiates it and stays or is dropped (then
+    the recomputation half's is tried);
+    every step is guided, under the budget on a device twice its size, with plain TensorFlow's losses and variables."""
+    plain = simulated_device(TRIAL.format(fraction=0.0, budget=0, steps=TRIAL_STEPS), limit_mb=4096, timeout=600)
+    result = simulated_device(TRIAL.format(fraction=0.0, budget=TRIAL_BUDGET_MB * MiB, steps=TRIAL_STEPS),
+                              limit_mb=2 * TRIAL_BUDGET_MB, timeout=900)
+    outcome = result["trials"].get("checkpoint", "")
+    assert outcome.startswith(("kept", "dropped")), result["trials"]
+    if outcome.startswith("kept"):
+        assert result["plan_policy"] == "checkpoint" or "recompute-only" in result["trials"], result
+    else:
+        assert result["plan_policy"] in ("capuchin", "recompute-only"), result
+    assert result["phases"] == ["measured"] + ["guided"] * (TRIAL_STEPS - 1), result["phases"]
+    assert max(result["peaks"]) <= TRIAL_BUDGET_MB * MiB
+    assert result["losses"] == plain["losses"] and result["digest"] == plain["digest"]

@@ -1,0 +1,65 @@
+"""One policy's plan run with and without capuchin_tf's safety net (the guided step's pool and passive mode), per step:
+seconds, peak, bytes evicted on demand and the waits by kind. What the pool itself costs a plan.
+
+    TF_NUM_INTEROP_THREADS=1 TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=200 TF_ENABLE_ONEDNN_OPTS=0 \
+        .venv/bin/python tools/probe_safety_net.py --model transformer --batch 32 --budget-mb 79 \
+        --policy checkpoint --safety-net on --json out.json
+
+The policy is registered again under `<policy>+net` or `<policy>-net` with the safety net on or off (its planning
+function unchanged) and runs under `capuchin_tf.function` for `--steps` calls; the device's size is the simulated
+device's (TF_CPU_BFC_MEM_LIMIT_IN_MB), larger than the budget to see what the plan needs beyond it. Prints one line
+per step and writes them as JSON, stamped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--budget-mb", type=int, required=True)
+    p.add_argument("--policy", required=True)
+    p.add_argument("--safety-net", choices=("on", "off"), required=True)
+    p.add_argument("--link", default="p100")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--json", required=True)
+    a = p.parse_args()
+
+    import capuchin_tf
+    from capuchin_tf import policy as policies
+    from capuchin_tf.cli import models
+    from capuchin_tf.cli.common import git_commit, machine
+
+    base = policies.POLICIES[a.policy]
+    name = f"{a.policy}{'+' if a.safety_net == 'on' else '-'}net"
+    policies.register_policy(name, base.plan, safety_net=a.safety_net == "on",
+                             runtime_options=dict(base.runtime_options))
+    setup = models.build(a.model, a.batch)
+    step = capuchin_tf.function(setup.train_step, memory_budget=a.budget_mb * 2**20, policy=name, link=a.link)
+    for _ in range(a.steps):
+        step(*setup.inputs)
+    (report,) = step.report().values()
+    rows = [{k: s[k] for k in ("phase", "seconds", "peak_bytes", "passive_evicted_bytes", "waited_s")}
+            for s in report["steps"]]
+    for r in rows:
+        print(f"{r['phase']:9s} {r['seconds']:7.3f} s  peak {r['peak_bytes'] / 2**20:6.1f} MiB  evicted on demand "
+              f"{r['passive_evicted_bytes'] / 2**20:5.1f} MiB  {r['waited_s']}")
+    result = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": a.model,
+              "batch": a.batch, "budget_mb": a.budget_mb, "device_mb": int(os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB",
+                                                                                          0)),
+              "policy": a.policy, "safety_net": a.safety_net, "link": a.link,
+              "predicted_peak_bytes": report["prediction"]["predicted_peak_bytes"] if report["prediction"] else None,
+              "steps": rows}
+    with open(a.json, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
