@@ -9,6 +9,7 @@ over the budget, `tighter_plan` chooses the plan for a tighter budget. The runti
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Callable, Mapping
 
 from capuchin_tf.core.access_trace import AccessTrace
@@ -107,7 +108,7 @@ def tighter_plan(plan_for: Callable[[int], Plan], current_budget: int,
 # ---- measured arbitration (beyond the paper) ------------------------------------------------------------------------
 # The simulator models memory as bytes, not as the allocator's layout: a plan that fits by bytes can still wait for
 # copies on demand every step, where a plan of another shape runs with room to spare (docs/decisions.md, "Measured
-# arbitration: a plan the copies on demand make slow is measured against the checkpoint plan"). So when a settled
+# arbitration"). So when a settled
 # guided step waits for copies on demand for at least TRIAL_FRACTION of its time, the plans of the policy's `trials`
 # (policy.Policy) are tried, each for TRIAL_STEPS measured steps (after the first, which instantiates the new step),
 # and kept only when measured faster than the plan that ran.
@@ -134,12 +135,6 @@ def trial_candidate(plan: Plan, budget: int) -> bool:
     return plan.unreachable_op is None and plan.predicted_peak_bytes <= budget * (1 + TRIAL_PEAK_SLACK)
 
 
-def median(xs) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return 0.0 if n == 0 else (xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2)
-
-
 def trial_keeps(incumbent_s: float, trial_steps_s) -> bool:
     """Whether the trial plan stays: its median measured step at most TRIAL_KEEP of the incumbent's."""
-    return median(trial_steps_s) <= TRIAL_KEEP * incumbent_s
+    return statistics.median(trial_steps_s) <= TRIAL_KEEP * incumbent_s

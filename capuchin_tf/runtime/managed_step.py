@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import statistics
 import threading
 import time
 import warnings
@@ -65,7 +66,6 @@ from capuchin_tf.policy import POLICIES, make_plan
 from capuchin_tf.policy.feedback import (
     TIGHTEN,
     TRIAL_STEPS,
-    median,
     plan_after_step,
     tighter_plan,
     trial_candidate,
@@ -731,7 +731,7 @@ class ManagedStep:
             if len(trial["seconds"]) < TRIAL_STEPS:
                 return False
             keep = trial_keeps(trial["incumbent_s"], trial["seconds"])
-            self._end_trial(state, keep, why=f"median step {median(trial['seconds']):.3f} s against "
+            self._end_trial(state, keep, why=f"median step {statistics.median(trial['seconds']):.3f} s against "
                                               f"{trial['incumbent_s']:.3f} s")
             return not keep
         untried = [n for n in POLICIES[self.options.policy].trials if n not in state.tried and n != self.options.policy]
@@ -745,7 +745,6 @@ class ManagedStep:
             return False
         device_model = self._device_model(state.trace, state)
         for name in untried:
-            state.tried[name] = "not a candidate"
             try:
                 plan = make_plan(state.trace, state.plan_budget, name, device_model)
             except Exception as e:  # a trial is an optimization: a policy that cannot plan this step is not tried
@@ -765,8 +764,8 @@ class ManagedStep:
                       "plan", flush=True)
             if self._install(state, args, plan, state.plan_budget):
                 state.replans += 1
-                state.trial = {"incumbent": incumbent, "incumbent_s": median(ran), "policy": name, "steps": 0,
-                               "seconds": []}
+                state.trial = {"incumbent": incumbent, "incumbent_s": statistics.median(ran), "policy": name,
+                               "steps": 0, "seconds": []}
                 state.tried[name] = "on trial"
                 return True
             state.tried[name] = "not tried: the plan could not be applied"

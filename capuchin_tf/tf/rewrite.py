@@ -505,7 +505,7 @@ def pooled(graph_def, shaped, min_bytes: int = GUIDED_MIN_POOLED_BYTES, defer: b
     # the Get's gate says, and the pool would keep the tensor on the device until then).
     # Nor are the tensors of a plan's replays held: their Gets' gates hold the replay back, and what it reads with
     # it (the checkpoint plan on the quick tier's transformer: peak 78 MiB with them held, 63 MiB without, on a
-    # device larger than the budget; docs/decisions.md, "The pool leaves a plan's replays alone").
+    # device larger than the budget; docs/decisions.md, "The guided pool leaves a plan's replays alone").
     plan = {tid: reads for tid, reads in hold_plan(graph, min_bytes=min_bytes, order=order).items()
             if not any(graph.ops[c].type == "Capuchin>SwapOut" for c in graph.tensors[tid].consumers)
             and not tid.startswith(RECOMPUTE_PREFIX)}
