@@ -80,11 +80,12 @@ register_policy("swap-only", plan_swap_only, safety_net=True)
 register_policy("recompute-only", plan_recompute_only, safety_net=True)
 # A step must run a plan that fits: when the hybrid greedy paints itself into a corner and one of its halves fits,
 # that half's plan runs (docs/policy.md, "fallback"); the policy benchmarks call plan_capuchin without it, so that they
-# compare the paper's algorithm as it is. Beyond the paper, a managed step measures the checkpoint plan, then the
-# recomputation half's, against the one that runs when the copies on demand make guided steps slow (policy.feedback,
-# "measured arbitration"); Capuchin's halves, run as baselines, do not.
+# compare the paper's algorithm as it is. Beyond the paper, when the copies on demand make guided steps slow, a managed
+# step measures against the plan that runs: its own plan for the budget less what was evicted on demand (a learned
+# margin), then the checkpoint plan, then the recomputation half's (policy.feedback, "measured arbitration");
+# Capuchin's halves, run as baselines, do not.
 register_policy("capuchin", plan_capuchin, safety_net=True, runtime_options={"fallback": True},
-                trials=("checkpoint", "recompute-only"))
+                trials=("margin", "checkpoint", "recompute-only"))
 
 
 def get_policy(name: str) -> Policy:

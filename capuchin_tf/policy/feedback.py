@@ -111,12 +111,15 @@ def tighter_plan(plan_for: Callable[[int], Plan], current_budget: int,
 # arbitration"). So when a settled
 # guided step waits for copies on demand for at least TRIAL_FRACTION of its time, the plans of the policy's `trials`
 # (policy.Policy) are tried, each for TRIAL_STEPS measured steps (after the first, which instantiates the new step),
-# and kept only when measured faster than the plan that ran.
+# and kept only when measured faster than the plan that ran. The trial LEARNED_MARGIN is the policy's own plan for its
+# plan budget less the bytes that step evicted on demand: what the plan was measured to need beyond its prediction
+# (docs/decisions.md, "A learned margin").
 ON_DEMAND_KINDS = ("passive_eviction", "evicted_get", "copy_wait", "device_move")  # core/stalls.py, lower case
 TRIAL_FRACTION = 0.05
 TRIAL_PEAK_SLACK = 0.05  # a trial plan predicted this fraction over the budget is still tried (the safety net stays)
 TRIAL_STEPS = 2
 TRIAL_KEEP = 0.97  # the trial plan is kept when its median step is at most this fraction of the incumbent's
+LEARNED_MARGIN = "margin"  # a `trials` entry: the policy's own plan, for the budget less what was evicted on demand
 
 
 def on_demand_s(waited: Mapping[str, float]) -> float:
@@ -138,3 +141,18 @@ def trial_candidate(plan: Plan, budget: int) -> bool:
 def trial_keeps(incumbent_s: float, trial_steps_s) -> bool:
     """Whether the trial plan stays: its median measured step at most TRIAL_KEEP of the incumbent's."""
     return statistics.median(trial_steps_s) <= TRIAL_KEEP * incumbent_s
+
+
+def margin_budget(plan_budget: int, evicted_on_demand: int, floor: int) -> int | None:
+    """The plan budget of a LEARNED_MARGIN trial: `plan_budget` less the bytes a guided step evicted on demand (what
+    its plan needed beyond the memory it was predicted to use); None when nothing was evicted or that is not above
+    the working-set `floor`."""
+    budget = plan_budget - evicted_on_demand
+    return budget if evicted_on_demand > 0 and budget > floor else None
+
+
+def margin_candidate(plan: Plan, incumbent: Plan | None, budget: int) -> bool:
+    """Whether a LEARNED_MARGIN trial's `plan` may be tried: a trial candidate under the real `budget`, and predicted
+    below the plan that ran (else it is that plan again, or one the planner cannot bring lower)."""
+    return trial_candidate(plan, budget) and (incumbent is None
+                                              or plan.predicted_peak_bytes < incumbent.predicted_peak_bytes)

@@ -64,8 +64,11 @@ from capuchin_tf.core.plan import Plan
 from capuchin_tf.core.stalls import summarize as summarize_stalls
 from capuchin_tf.policy import POLICIES, make_plan
 from capuchin_tf.policy.feedback import (
+    LEARNED_MARGIN,
     TIGHTEN,
     TRIAL_STEPS,
+    margin_budget,
+    margin_candidate,
     plan_after_step,
     tighter_plan,
     trial_candidate,
@@ -745,14 +748,29 @@ class ManagedStep:
             return False
         device_model = self._device_model(state.trace, state)
         for name in untried:
+            budget = state.plan_budget
+            if name == LEARNED_MARGIN:
+                # The policy's own plan for the budget less what this step evicted on demand: what the plan was
+                # measured to need beyond its prediction (docs/decisions.md, "A learned margin").
+                budget = margin_budget(state.plan_budget, record.passive_evicted_bytes, state.floor_bytes)
+                if budget is None:
+                    state.tried[name] = (f"not tried: {record.passive_evicted_bytes} bytes evicted on demand, "
+                                         f"floor {state.floor_bytes} bytes")
+                    continue
+            policy = self.options.policy if name == LEARNED_MARGIN else name
             try:
-                plan = make_plan(state.trace, state.plan_budget, name, device_model)
+                if name == LEARNED_MARGIN:
+                    plan = make_plan(state.trace, budget, policy, device_model, **self.options.planner_options())
+                else:
+                    plan = make_plan(state.trace, budget, policy, device_model)
             except Exception as e:  # a trial is an optimization: a policy that cannot plan this step is not tried
                 if self.options.verbose:
                     print(f"capuchin_tf: no {name} plan to try ({type(e).__name__}: {e})", flush=True)
                 state.tried[name] = f"not tried: {type(e).__name__}: {e}"
                 continue
-            if not trial_candidate(plan, state.plan_budget):
+            fits = (margin_candidate(plan, state.plan, state.plan_budget) if name == LEARNED_MARGIN
+                    else trial_candidate(plan, state.plan_budget))
+            if not fits:
                 state.tried[name] = (f"not tried: predicted peak {plan.predicted_peak_bytes} bytes for a budget of "
                                      f"{state.plan_budget}" if plan.unreachable_op is None else
                                      f"not tried: op {plan.unreachable_op!r} does not fit")
@@ -761,8 +779,8 @@ class ManagedStep:
             incumbent = (state.plan, state.plan_budget, state.fn, state.guided_def)
             if self.options.verbose:
                 print(f"capuchin_tf: guided steps wait {record.waited_s} for copies on demand; trying the {name} "
-                      "plan", flush=True)
-            if self._install(state, args, plan, state.plan_budget):
+                      f"plan (for {format_bytes(budget)})", flush=True)
+            if self._install(state, args, plan, budget):
                 state.replans += 1
                 state.trial = {"incumbent": incumbent, "incumbent_s": statistics.median(ran), "policy": name,
                                "steps": 0, "seconds": []}

@@ -164,3 +164,22 @@ def test_measured_arbitration_opens_a_trial_only_for_waits_on_demand_of_a_share_
     assert trial_keeps(1.0, [TRIAL_KEEP, TRIAL_KEEP])
     assert not trial_keeps(1.0, [TRIAL_KEEP + 0.01, TRIAL_KEEP + 0.01])
     assert trial_keeps(1.0, [0.5, 0.9, 5.0])  # the median: one slow step does not decide
+
+
+def test_a_learned_margin_plans_for_the_budget_less_what_was_evicted_on_demand_and_must_predict_lower():
+    """margin_budget: the plan budget less the bytes evicted on demand, none when nothing was or when that is not
+    above the floor; margin_candidate: a trial candidate under the real budget predicted below the plan that ran."""
+    import dataclasses
+
+    from capuchin_tf.policy.feedback import margin_budget, margin_candidate
+
+    mib = 2**20
+    assert margin_budget(200 * mib, 28 * mib, 120 * mib) == 172 * mib
+    assert margin_budget(200 * mib, 0, 120 * mib) is None
+    assert margin_budget(200 * mib, 80 * mib, 120 * mib) is None
+    budget = PLAN.predicted_peak_bytes
+    higher = dataclasses.replace(PLAN, predicted_peak_bytes=PLAN.predicted_peak_bytes + 1)
+    assert margin_candidate(PLAN, higher, budget)
+    assert not margin_candidate(PLAN, PLAN, budget)  # the same prediction: the same plan again
+    assert margin_candidate(PLAN, None, budget)
+    assert not margin_candidate(dataclasses.replace(PLAN, unreachable_op="x"), higher, budget)
