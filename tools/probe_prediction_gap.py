@@ -1,0 +1,141 @@
+"""Where a guided step's device memory departs from what the simulator predicted for its plan: per op of the trace,
+the bytes in use when it started, measured (TensorFlow's profiler, allocator events of one guided step) against
+simulated (policy.simulator.simulate on the plan and trace the step runs); and, at the op of the largest gap, the
+buffers of at least 1 MiB alive in the measured step, by the op that allocated them.
+
+    TF_NUM_INTEROP_THREADS=1 TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=600 TF_ENABLE_ONEDNN_OPTS=0 \
+        .venv/bin/python tools/probe_prediction_gap.py --model dropout-bn --batch 128 --budget-mb 102 --json out.json
+
+The measured step runs under --budget-mb; the guided steps run with the budget not enforced (the device's size,
+TF_CPU_BFC_MEM_LIMIT_IN_MB, larger than the budget) and the feedback off, so that the plan's own memory shows, not
+what the safety net evicted; --safety-net off also leaves out the pool. The step after --warm guided steps is profiled.
+Writes the per-op rows and the live buffers as JSON, stamped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import glob
+import json
+import os
+import shutil
+import tempfile
+import time
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--budget-mb", type=int, required=True)
+    p.add_argument("--policy", default="capuchin")
+    p.add_argument("--safety-net", choices=("on", "off"), default="on")
+    p.add_argument("--link", default="p100")
+    p.add_argument("--warm", type=int, default=2)
+    p.add_argument("--json", required=True)
+    a = p.parse_args()
+
+    import tensorflow as tf
+
+    import capuchin_tf
+    from capuchin_tf import policy as policies
+    from capuchin_tf.cli import models
+    from capuchin_tf.cli.common import git_commit, machine
+    from capuchin_tf.policy.simulator import simulate
+    from capuchin_tf.runtime import managed_step
+    from capuchin_tf.tf import measure
+
+    base = policies.POLICIES[a.policy]
+    name = f"{a.policy}{'+' if a.safety_net == 'on' else '-'}net"
+    policies.register_policy(name, base.plan, safety_net=a.safety_net == "on",
+                             runtime_options=dict(base.runtime_options))
+    enforce = managed_step.ManagedStep._budget
+    calls = [0]
+
+    @contextlib.contextmanager
+    def measured_step_only(self):  # the budget holds for the measured step only
+        calls[0] += 1
+        if calls[0] == 1:
+            with enforce(self):
+                yield
+        else:
+            yield
+
+    managed_step.ManagedStep._budget = measured_step_only
+    setup = models.build(a.model, a.batch)
+    step = capuchin_tf.function(setup.train_step, memory_budget=a.budget_mb * 2**20, policy=name, link=a.link,
+                                feedback=False)
+    for _ in range(1 + a.warm):
+        step(*setup.inputs)
+    (state,) = step.states().values()
+    logdir = tempfile.mkdtemp(prefix="capuchin_gap_")
+    try:
+        options = tf.profiler.experimental.ProfilerOptions(host_tracer_level=2, python_tracer_level=0,
+                                                           device_tracer_level=0)
+        tf.profiler.experimental.start(logdir, options=options)
+        try:
+            step(*setup.inputs)
+        finally:
+            tf.profiler.experimental.stop()
+        path = max(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+        kernels, memory, _ = measure.read_xspace(path)
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+    plan, trace = state.plan, state.trace
+    sim = simulate(trace, plan)
+    levels = sorted((m.time, m.in_use_after) for m in memory if m.in_use_after >= 0)
+    times = [t for t, _ in levels]
+    sim_times = [t for t, _ in sim.curve]
+
+    def measured_at(t):
+        i = bisect.bisect_right(times, t) - 1
+        return levels[i][1] if i >= 0 else 0
+
+    def simulated_at(t):
+        i = bisect.bisect_right(sim_times, t) - 1
+        return sim.curve[i][1] if i >= 0 else 0
+
+    started: dict[str, int] = {}
+    for k in sorted(kernels, key=lambda k: k.start):
+        started.setdefault(k.op, k.start)
+    rows = sorted((started[o.name], o.name, measured_at(started[o.name]), simulated_at(sim.op_start[i]))
+                  for i, o in enumerate(trace.ops) if o.name in started)
+    rows = [{"op": op, "measured_bytes": m, "simulated_bytes": s} for _, op, m, s in rows]
+    worst = max(rows, key=lambda r: r["measured_bytes"] - r["simulated_bytes"])
+    t_worst = started[worst["op"]]
+    alive, lives = {}, []
+    for m in sorted(memory, key=lambda m: m.time):
+        if m.allocation:
+            alive[m.addr] = (m.time, m.nbytes, m.op, m.region)
+        elif m.addr in alive:
+            t0, nbytes, op, region = alive.pop(m.addr)
+            lives.append((t0, m.time, nbytes, op, region))
+    lives += [(t0, None, nbytes, op, region) for t0, nbytes, op, region in alive.values()]
+    live_at_worst = sorted(({"bytes": b, "op": op, "region": r} for t0, t1, b, op, r in lives
+                            if b >= 2**20 and t0 <= t_worst and (t1 is None or t1 > t_worst)),
+                           key=lambda x: -x["bytes"])
+    measured_peak = max(b for _, b in levels)
+    print(f"plan: {plan.summary().splitlines()[0]}")
+    print(f"predicted peak {plan.predicted_peak_bytes / 2**20:.1f} MiB; measured peak {measured_peak / 2**20:.1f} MiB")
+    for r in rows[::max(1, len(rows) // 40)]:
+        print(f"  {r['op'][:72]:72s} measured {r['measured_bytes'] / 2**20:7.1f}  simulated "
+              f"{r['simulated_bytes'] / 2**20:7.1f}  gap {(r['measured_bytes'] - r['simulated_bytes']) / 2**20:+6.1f}")
+    print(f"largest gap at {worst['op']}: "
+          f"{(worst['measured_bytes'] - worst['simulated_bytes']) / 2**20:+.1f} MiB; buffers alive there:")
+    for x in live_at_worst:
+        print(f"  {x['bytes'] / 2**20:6.2f} MiB  {x['op']} ({x['region']})")
+    result = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": a.model,
+              "batch": a.batch, "budget_mb": a.budget_mb, "policy": a.policy, "safety_net": a.safety_net,
+              "device_mb": int(os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", 0)), "link": a.link,
+              "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": measured_peak,
+              "swapped_tensors": len(plan.swaps), "recomputed_tensors": len(plan.recomputes),
+              "largest_gap_op": worst["op"], "live_at_largest_gap": live_at_worst, "rows": rows}
+    with open(a.json, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
