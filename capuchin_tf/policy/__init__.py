@@ -44,7 +44,8 @@ class Policy:
     safety_net: bool = False  # guided steps keep passive mode's pool and evict on demand what the plan missed
     runtime_options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     # Policies whose plans a managed step measures against this one's when its guided steps wait for copies on
-    # demand (policy.feedback, "measured arbitration"); kept only if measured faster.
+    # demand (policy.feedback, "measured arbitration"); kept only if measured faster. "margin" (feedback.LEARNED_MARGIN)
+    # names this policy's own plan for the budget less the bytes the step evicted on demand.
     trials: tuple[str, ...] = ()
 
     def __call__(self, *args, **kwargs) -> Plan:
