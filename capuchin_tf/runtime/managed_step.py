@@ -757,12 +757,12 @@ class ManagedStep:
                     state.tried[name] = (f"not tried: {record.passive_evicted_bytes} bytes evicted on demand, "
                                          f"floor {state.floor_bytes} bytes")
                     continue
-            policy = self.options.policy if name == LEARNED_MARGIN else name
+            # The margin is this policy's own plan, made as its other plans are; other trials are their policies as
+            # they are.
+            policy, options = ((self.options.policy, self.options.planner_options()) if name == LEARNED_MARGIN
+                               else (name, {}))
             try:
-                if name == LEARNED_MARGIN:
-                    plan = make_plan(state.trace, budget, policy, device_model, **self.options.planner_options())
-                else:
-                    plan = make_plan(state.trace, budget, policy, device_model)
+                plan = make_plan(state.trace, budget, policy, device_model, **options)
             except Exception as e:  # a trial is an optimization: a policy that cannot plan this step is not tried
                 if self.options.verbose:
                     print(f"capuchin_tf: no {name} plan to try ({type(e).__name__}: {e})", flush=True)
