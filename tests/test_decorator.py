@@ -572,3 +572,88 @@ def test_a_measured_arbitration_tries_its_candidates_in_order_and_the_step_stays
     assert result["phases"] == ["measured"] + ["guided"] * (TRIAL_STEPS - 1), result["phases"]
     assert max(result["peaks"]) <= TRIAL_BUDGET_MB * MiB
     assert result["losses"] == plain["losses"] and result["digest"] == plain["digest"]
+
+
+BUILD = """
+import dataclasses, hashlib, json, threading, time, warnings
+import numpy as np
+import tensorflow as tf
+import capuchin_tf
+import capuchin_tf.policy.feedback as feedback
+from capuchin_tf.cli import models
+from capuchin_tf.runtime import managed_step
+
+feedback.TRIAL_FRACTION = 2.0  # no measured arbitration: the one plan change is the feedback's
+setup = models.build("transformer", 32)
+mode = {mode!r}
+if mode != "plain":
+    asked = []
+    plan_after_step = managed_step.plan_after_step
+
+    def once(plan, *args, **kwargs):  # the feedback asks for one plan change, after the second guided step
+        asked.append(1)
+        if len(asked) == 2:
+            return dataclasses.replace(plan)  # the same decisions, a new plan: rewritten and built again
+        return plan_after_step(plan, *args, **kwargs)
+
+    managed_step.plan_after_step = once
+    build = managed_step.ManagedStep._build
+    built_in = []
+
+    def slow_build(self, *args):
+        background = threading.current_thread() is not threading.main_thread()
+        built_in.append("background" if background else "main")
+        if background:
+            time.sleep(1.0)  # a build longer than a step: the steps go on with the current plan meanwhile
+            if mode == "fail":
+                raise ValueError("a build that fails")
+        return build(self, *args)
+
+    managed_step.ManagedStep._build = slow_build
+    step = capuchin_tf.function(setup.train_step, memory_budget={budget}, policy="capuchin", link="p100")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [step(*setup.inputs) for _ in range({steps})]
+    (state,) = step.states().values()
+    (report,) = step.report().values()
+    result = dict(built_in=built_in, steps=report["steps"], warned=[str(w.message) for w in caught
+                                                                    if "could not be built" in str(w.message)])
+else:
+    losses = [setup.train_step(*setup.inputs) for _ in range({steps})]
+    result = {{}}
+result["losses"] = [float.hex(float(x)) for x in losses]
+h = hashlib.sha256()
+for v in setup.variables:
+    h.update(np.asarray(v.numpy()).tobytes())
+result["digest"] = h.hexdigest()
+print(json.dumps(result))
+"""
+BUILD_STEPS = 12
+
+
+@pytest.mark.parametrize("mode", ["build", "fail"])
+def test_a_plan_change_is_built_off_the_critical_path_and_the_step_stays_bit_for_bit(simulated_device, mode):
+    """Background builds: the guided step whose feedback asks for a plan change returns without waiting for the
+    build (slowed by 1 s here, longer than a step); the steps after it run the current plan, marked `building`,
+    until the build is ready, and the new plan runs from the step after that one. A build that fails leaves the
+    current plan, with one warning. Every step is guided, under the budget on a device twice its size, with plain
+    TensorFlow's losses and variables."""
+    plain = simulated_device(BUILD.format(mode="plain", budget=0, steps=BUILD_STEPS), limit_mb=4096, timeout=600)
+    result = simulated_device(BUILD.format(mode=mode, budget=TRIAL_BUDGET_MB * MiB, steps=BUILD_STEPS),
+                              limit_mb=2 * TRIAL_BUDGET_MB, timeout=900)
+    steps = result["steps"]
+    assert [s["phase"] for s in steps] == ["measured"] + ["guided"] * (BUILD_STEPS - 1), steps
+    assert result["built_in"] == ["main", "background"], result["built_in"]  # the first plan, then the change
+    building = [i for i, s in enumerate(steps) if s["building"]]
+    assert building, steps
+    asker = building[0] - 1  # the step after which the feedback asked (the third: the second guided one)
+    assert asker == 2 and steps[asker]["adjust_s"] < 1.0 and not steps[asker]["plan_changed"], steps
+    assert building == list(range(building[0], building[-1] + 1)), building  # until the build is taken
+    changed = [i for i, s in enumerate(steps) if s["plan_changed"]]
+    if mode == "build":
+        assert changed == [building[-1]], (changed, building)  # the new plan runs from the step after
+        assert not result["warned"]
+    else:
+        assert changed == [] and len(result["warned"]) == 1, (changed, result["warned"])
+    assert max(s["peak_bytes"] for s in steps) <= TRIAL_BUDGET_MB * MiB
+    assert result["losses"] == plain["losses"] and result["digest"] == plain["digest"]

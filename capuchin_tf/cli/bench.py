@@ -216,9 +216,11 @@ def _run_worker(a: argparse.Namespace) -> int:
         result["report"] = next(iter(managed.report().values()))
         result.update({k: result["report"][k] for k in PLAN_COUNTS})
         # benchmarks.md times steps after the plan settled: the steps after the last plan change or retry, less the
-        # first of them (it instantiates the rewritten step), at least 3 of them.
+        # first of them (it instantiates the rewritten step), at least 3 of them. A step that ran while a plan change
+        # was built in the background is no settled step either (the plan is about to change).
         steps = result["report"]["steps"][:len(result["step_s"])]
-        changed = [i for i, r in enumerate(steps) if r["plan_changed"] or r["retried"] or r["phase"] == "measured"]
+        changed = [i for i, r in enumerate(steps) if r["plan_changed"] or r["retried"] or r["phase"] == "measured"
+                   or r.get("building")]
         first = changed[-1] + 2 if changed else 1
         after = result["step_s"][first:]
         result["settled_steps"] = len(after)

@@ -12,6 +12,12 @@ budget re-plans for a tighter budget (beyond the paper). The step is re-rewritte
 once per step and at most `max_replans` times; it is settled after `settle_steps` steps without a change. The emulated
 link (p100) follows the speed the guided steps compute at.
 
+Background builds (`background_builds`, on by default): a plan change the feedback or a measured arbitration asks for
+is planned, rewritten and built (`Build`: a thread of its own) while the current plan keeps running, and runs from the
+step after the one during which it became ready; steps that ran while it was built (`StepRecord.building`) give no
+feedback and are no measurement of their plan (they share the machine with the build). A plan change after an
+out-of-memory error is made at once, and drops any under way.
+
 The budget holds: while a managed step runs, the device allocator enforces `budget_bytes` when it is below the
 device's size (ops.set_memory_budget: passive eviction at the budget, an out-of-memory error past it). A budget below
 what the step can ever need (the working-set floor: persistent state plus the largest op's transient inputs and
@@ -44,13 +50,16 @@ run in passive mode from then on, as the measured one (phase "passive"; the repo
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
 import statistics
+import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
 
 import tensorflow as tf
@@ -97,6 +106,55 @@ MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, aft
 _PROCESS_LOCK = threading.RLock()
 
 
+# Background builds still running at exit are waited for (a thread stopped inside TensorFlow's importer can crash the
+# interpreter's shutdown).
+_BUILDS: weakref.WeakSet = weakref.WeakSet()
+atexit.register(lambda: [thread.join() for thread in list(_BUILDS)])
+# While a build runs, the interpreter hands the GIL over after this many seconds instead of its default 5 ms: the
+# step's thread takes it back after each TensorFlow call, hundreds of times a step (the host snapshot's reads, the
+# host store's counters), and at 5 ms a wait that is most of a short step (docs/decisions.md, "Plan changes off the
+# critical path").
+BUILD_SWITCH_INTERVAL_S = 0.0002
+_switch = {"builds": 0, "interval": None}
+_switch_lock = threading.Lock()
+
+
+def _builds_running(delta: int) -> None:
+    with _switch_lock:
+        _switch["builds"] += delta
+        if delta > 0 and _switch["builds"] == 1:
+            _switch["interval"] = sys.getswitchinterval()
+            sys.setswitchinterval(BUILD_SWITCH_INTERVAL_S)
+        elif delta < 0 and _switch["builds"] == 0 and _switch["interval"] is not None:
+            sys.setswitchinterval(_switch["interval"])
+
+
+class Build:
+    """A plan change under way off the critical path: `job` (planning, rewriting and building a guided step; it
+    changes nothing the running step uses) runs in a thread of its own while the current plan keeps running, and
+    `then(result)` applies its result in the step's thread once it is done (ManagedStep._take_build)."""
+
+    def __init__(self, job, then):
+        self.then = then
+        self.result = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(job,), name="capuchin-tf-build", daemon=True)
+        _BUILDS.add(self.thread)
+        _builds_running(+1)
+        self.thread.start()
+
+    def _run(self, job) -> None:
+        try:
+            self.result = job()
+        except BaseException as e:  # noqa: BLE001  (reported when the result is taken)
+            self.error = e
+        finally:
+            _builds_running(-1)
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+
 def device_limit_bytes() -> int | None:
     """The device allocator's limit (the simulated device's size), or None when it has none."""
     limit = int(ops.allocator_stats()["bytes_limit"])
@@ -139,7 +197,8 @@ class ManagedStep:
                 "recomputed_tensors": len(plan.recomputes) if plan else 0,
                 "recomputed_bytes": plan.recomputed_bytes if plan else 0,
                 "replans": st.replans,
-                "settled": st.steps_since_change >= self.options.settle_steps,
+                "settled": st.steps_since_change >= self.options.settle_steps and st.build is None,
+                "building": st.build is not None,  # a plan change under way off the critical path
                 "fallback_reason": st.fallback_reason,
                 # the policy whose plan runs (another than the step's policy after a measured arbitration), and each
                 # trial policy considered -> what came of it (policy.feedback, "measured arbitration")
@@ -454,48 +513,96 @@ class ManagedStep:
         self._install(state, args, plan, budget)
 
     def _install(self, state: SignatureState, args, plan: Plan, budget: int) -> bool:
-        """Rewrites the step for `plan`. If that fails: the first plan raises Refusal; a later one (feedback, a
-        tighter plan) warns and keeps the plan that runs. True when the new plan is installed."""
-        previous = (state.plan, state.plan_budget, state.fn, state.guided_def)
-        # Even a plan with no decisions is applied: the measured order it pins is the one that fitted.
-        state.plan, state.plan_budget = plan, budget
-        state.protected_steps = self.options.protect_steps or 0
+        """Rewrites the step for `plan` now (a change under way off the critical path is dropped). If that fails: the
+        first plan raises Refusal; a later one (feedback, a tighter plan) warns and keeps the plan that runs. True when
+        the new plan is installed."""
+        state.build = None
         if self.options.verbose:
             print(f"capuchin_tf: plan for {budget / 2**20:.1f} MiB: {plan.summary()}", flush=True)
         try:
-            if not state.tensor_info:
-                nodes = {n.name: n for n in state.optimized.node}
-                for t in state.trace.tensors:
-                    try:
-                        op, slot = split_tensor_id(t)
-                    except ValueError:  # a temporary of the trace ("op:temp0"), never planned
-                        continue
-                    static = capture.static_tensor(state.shaped, nodes[op], slot) if op in nodes else None
-                    if static is None:
-                        continue
-                    shape = shape_of(None if static.shape.rank is None else static.shape.as_list())
-                    state.tensor_info[t] = (static.dtype.name, shape)
-            missing = [d.tensor for d in plan.decisions if d.tensor not in state.tensor_info]
-            if missing:
-                raise rewrite.RewriteError(f"planned tensors not in the optimized graph: {missing[:3]}")
-            dtypes = {t: info[0] for t, info in state.tensor_info.items()}
-            shapes = {t: info[1] for t, info in state.tensor_info.items()}
-            graph_def = rewrite.apply_plan(state.optimized, plan, state.trace, dtypes, shapes)
-            # Beyond the plan, every tensor that still waits across other work goes to the pool, as in the measured
-            # step: what the plan did not foresee (BFC fragmentation, a copy's timing) is evicted on demand instead
-            # of failing the step. Capuchin's passive mode: the baselines run their plans alone.
-            if self.safety_net:
-                graph_def = rewrite.pooled(graph_def, state.shaped)
-            state.fn = function_surgery.rebuild(state.concrete, graph_def, name="capuchin_guided_step")
-            state.guided_def = graph_def
-            return True
+            fn, graph_def = self._build(state, plan, *self._tensor_info(state))
         except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
-            state.plan, state.plan_budget, state.fn, state.guided_def = previous
-            if previous[2] is None and previous[0] is None:
+            if state.fn is None and state.plan is None:
                 raise Refusal(f"its plan could not be applied ({type(e).__name__}: {e})") from e
             warnings.warn(f"capuchin_tf: a new plan could not be applied ({type(e).__name__}: {e}); the current "
                           "plan stays", RuntimeWarning, stacklevel=4)
             return False
+        self._commit(state, plan, budget, fn, graph_def)
+        return True
+
+    def _tensor_info(self, state: SignatureState) -> tuple[dict, dict]:
+        """Tensor id -> dtype name, and -> static shape, for every tensor of the trace in the optimized graph (read
+        once, in the calling thread: the shaped graph is not read by a background build)."""
+        if not state.tensor_info:
+            nodes = {n.name: n for n in state.optimized.node}
+            for t in state.trace.tensors:
+                try:
+                    op, slot = split_tensor_id(t)
+                except ValueError:  # a temporary of the trace ("op:temp0"), never planned
+                    continue
+                static = capture.static_tensor(state.shaped, nodes[op], slot) if op in nodes else None
+                if static is None:
+                    continue
+                shape = shape_of(None if static.shape.rank is None else static.shape.as_list())
+                state.tensor_info[t] = (static.dtype.name, shape)
+        return ({t: info[0] for t, info in state.tensor_info.items()},
+                {t: info[1] for t, info in state.tensor_info.items()})
+
+    def _build(self, state: SignatureState, plan: Plan, dtypes: Mapping[str, str], shapes: Mapping) -> tuple:
+        """The guided step for `plan`: (its ConcreteFunction, its GraphDef). Reads the signature's optimized graph,
+        trace and shaped graph, writes nothing of the state: it runs in a background build too."""
+        missing = [d.tensor for d in plan.decisions if d.tensor not in dtypes]
+        if missing:
+            raise rewrite.RewriteError(f"planned tensors not in the optimized graph: {missing[:3]}")
+        # Even a plan with no decisions is applied: the measured order it pins is the one that fitted.
+        graph_def = rewrite.apply_plan(state.optimized, plan, state.trace, dtypes, shapes)
+        # Beyond the plan, every tensor that still waits across other work goes to the pool, as in the measured
+        # step: what the plan did not foresee (BFC fragmentation, a copy's timing) is evicted on demand instead
+        # of failing the step. Capuchin's passive mode: the baselines run their plans alone.
+        if self.safety_net:
+            graph_def = rewrite.pooled(graph_def, state.shaped)
+        return function_surgery.rebuild(state.concrete, graph_def, name="capuchin_guided_step"), graph_def
+
+    def _commit(self, state: SignatureState, plan: Plan, budget: int, fn, graph_def) -> None:
+        """`plan` runs from the next step on."""
+        state.plan, state.plan_budget, state.fn, state.guided_def = plan, budget, fn, graph_def
+        state.protected_steps = self.options.protect_steps or 0
+
+    def _in_background(self) -> bool:
+        """Whether a plan change is built off the critical path: the option, and no device scope around the call
+        (a function built in another thread would not get it)."""
+        return self.options.background_builds and not function_surgery.device_scope_around()
+
+    def _change(self, state: SignatureState, plan: Plan, budget: int) -> bool:
+        """A plan change the feedback asks for: installed now (True if it was), or built in the background (False:
+        the current plan runs until the new one is ready; ManagedStep._take_build)."""
+        if not self._in_background():
+            return self._install(state, None, plan, budget)
+        if self.options.verbose:
+            print(f"capuchin_tf: building the plan for {budget / 2**20:.1f} MiB in the background: {plan.summary()}",
+                  flush=True)
+        dtypes, shapes = self._tensor_info(state)
+
+        def then(built) -> bool:
+            self._commit(state, plan, budget, *built)
+            return True
+
+        state.build = Build(lambda: self._build(state, plan, dtypes, shapes), then)
+        return False
+
+    def _take_build(self, state: SignatureState, record: StepRecord) -> bool:
+        """After a step that ran while a plan change was built: the step is marked `building`; if the change is
+        ready, it runs from the next step (True). A build that failed leaves the current plan, with a warning."""
+        build = state.build
+        record.building = True
+        if not build.done():
+            return False
+        state.build = None
+        if build.error is not None:
+            warnings.warn(f"capuchin_tf: a new plan could not be built ({type(build.error).__name__}: "
+                          f"{build.error}); the current plan stays", RuntimeWarning, stacklevel=5)
+            return False
+        return build.then(build.result)
 
     # ---- guided execution --------------------------------------------------------------------------------------
     def _guided(self, state: SignatureState, args):
@@ -609,9 +716,13 @@ class ManagedStep:
                 t_adjust = time.perf_counter()
                 if relinked:
                     late, early = {}, []
-                arbitrated = self._arbitrate(state, args, record) if state.fn is not None and not retried else None
-                record.plan_changed = (arbitrated if arbitrated is not None else
-                                       self._adjust(state, args, late, early, peak, seconds, dict(stalls.evicted)))
+                if state.build is not None:  # a plan change under way: this step is no feedback on its plan
+                    record.plan_changed = self._take_build(state, record)
+                else:
+                    arbitrated = self._arbitrate(state, args, record) if state.fn is not None and not retried else None
+                    record.plan_changed = (arbitrated if arbitrated is not None else
+                                           self._adjust(state, args, late, early, peak, seconds,
+                                                        dict(stalls.evicted)))
                 record.adjust_s = time.perf_counter() - t_adjust
             state.steps_since_change = 0 if record.plan_changed or retried else state.steps_since_change + 1
             return outputs
@@ -716,6 +827,7 @@ class ManagedStep:
         if state.good is None or state.good[0] is state.plan:
             return
         state.plan, state.plan_budget, state.fn, state.guided_def = state.good
+        state.build = None
         state.earlier_frozen = True
         if self.options.verbose:
             print("capuchin_tf: back to the plan of the last guided step that completed; late prefetches no longer "
@@ -747,6 +859,7 @@ class ManagedStep:
             # against (moving triggers for late prefetches first would put the trial off by a step per change).
             return False
         device_model = self._device_model(state.trace, state)
+        candidates = []
         for name in untried:
             budget = state.plan_budget
             if name == LEARNED_MARGIN:
@@ -757,37 +870,72 @@ class ManagedStep:
                     state.tried[name] = (f"not tried: {record.passive_evicted_bytes} bytes evicted on demand, "
                                          f"floor {state.floor_bytes} bytes")
                     continue
-            # The margin is this policy's own plan, made as its other plans are; other trials are their policies as
-            # they are.
-            policy, options = ((self.options.policy, self.options.planner_options()) if name == LEARNED_MARGIN
-                               else (name, {}))
-            try:
-                plan = make_plan(state.trace, budget, policy, device_model, **options)
-            except Exception as e:  # a trial is an optimization: a policy that cannot plan this step is not tried
-                if self.options.verbose:
-                    print(f"capuchin_tf: no {name} plan to try ({type(e).__name__}: {e})", flush=True)
-                state.tried[name] = f"not tried: {type(e).__name__}: {e}"
-                continue
-            fits = (margin_candidate(plan, state.plan, state.plan_budget) if name == LEARNED_MARGIN
-                    else trial_candidate(plan, state.plan_budget))
-            if not fits:
-                state.tried[name] = (f"not tried: predicted peak {plan.predicted_peak_bytes} bytes for a budget of "
-                                     f"{state.plan_budget}" if plan.unreachable_op is None else
-                                     f"not tried: op {plan.unreachable_op!r} does not fit")
-                continue
-            ran = [r.seconds for r in state.history[-state.steps_since_change:] if r.phase == "guided"][-3:]
-            incumbent = (state.plan, state.plan_budget, state.fn, state.guided_def)
+            candidates.append((name, budget))
+        if not candidates:
+            return None
+        ran = [r.seconds for r in state.history[-state.steps_since_change:]
+               if r.phase == "guided" and not r.building][-3:]
+        incumbent_s = statistics.median(ran) if ran else record.seconds
+        plan_budget = state.plan_budget
+        running = state.plan
+        dtypes, shapes = self._tensor_info(state)
+        if self.options.verbose:
+            print(f"capuchin_tf: guided steps wait {record.waited_s} for copies on demand; trying the plans of "
+                  f"{', '.join(name for name, _ in candidates)} in turn", flush=True)
+
+        def job():
+            """The first candidate that plans, is predicted to fit, and builds: (what came of each, (name, plan,
+            budget, fn, GraphDef) or None). Planning and building only: it runs in a background build too."""
+            tried = {}
+            for name, budget in candidates:
+                # The margin is this policy's own plan, made as its other plans are; other trials are their policies
+                # as they are.
+                policy, options = ((self.options.policy, self.options.planner_options()) if name == LEARNED_MARGIN
+                                   else (name, {}))
+                try:
+                    plan = make_plan(state.trace, budget, policy, device_model, **options)
+                except Exception as e:  # a trial is an optimization: a policy that cannot plan this step is not tried
+                    tried[name] = f"not tried: {type(e).__name__}: {e}"
+                    continue
+                fits = (margin_candidate(plan, running, plan_budget) if name == LEARNED_MARGIN
+                        else trial_candidate(plan, plan_budget))
+                if not fits:
+                    tried[name] = (f"not tried: predicted peak {plan.predicted_peak_bytes} bytes for a budget of "
+                                   f"{plan_budget}" if plan.unreachable_op is None else
+                                   f"not tried: op {plan.unreachable_op!r} does not fit")
+                    continue
+                try:
+                    built = self._build(state, plan, dtypes, shapes)
+                except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
+                    tried[name] = f"not tried: the plan could not be applied ({type(e).__name__}: {e})"
+                    continue
+                return tried, (name, plan, budget, *built)
+            return tried, None
+
+        def then(result) -> bool:
+            tried, found = result
+            state.tried.update(tried)
             if self.options.verbose:
-                print(f"capuchin_tf: guided steps wait {record.waited_s} for copies on demand; trying the {name} "
-                      f"plan (for {format_bytes(budget)})", flush=True)
-            if self._install(state, args, plan, budget):
-                state.replans += 1
-                state.trial = {"incumbent": incumbent, "incumbent_s": statistics.median(ran), "policy": name,
-                               "steps": 0, "seconds": []}
-                state.tried[name] = "on trial"
-                return True
-            state.tried[name] = "not tried: the plan could not be applied"
-        return None
+                for name, what in tried.items():
+                    print(f"capuchin_tf: the {name} plan is {what}", flush=True)
+            if found is None:
+                return False
+            name, plan, budget, fn, graph_def = found
+            incumbent = (state.plan, state.plan_budget, state.fn, state.guided_def)
+            self._commit(state, plan, budget, fn, graph_def)
+            state.replans += 1
+            state.trial = {"incumbent": incumbent, "incumbent_s": incumbent_s, "policy": name, "steps": 0,
+                           "seconds": []}
+            state.tried[name] = "on trial"
+            if self.options.verbose:
+                print(f"capuchin_tf: trying the {name} plan (for {format_bytes(budget)}) against a median step of "
+                      f"{incumbent_s:.3f} s", flush=True)
+            return True
+
+        if self._in_background():
+            state.build = Build(job, then)
+            return False
+        return then(job()) or None
 
     def _end_trial(self, state: SignatureState, keep: bool, why: str) -> None:
         trial, state.trial = state.trial, None
@@ -810,4 +958,4 @@ class ManagedStep:
         if plan is state.plan:
             return False
         state.replans += 1
-        return self._install(state, args, plan, state.plan_budget)
+        return self._change(state, plan, state.plan_budget)

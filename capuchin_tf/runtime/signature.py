@@ -30,6 +30,9 @@ class StepRecord:
     planned_bytes: int = 0  # bytes the plan this step ran saved (swapped + recomputed)
     waited_s: dict = dataclasses.field(default_factory=dict)  # stall kind -> seconds the step waited (core/stalls.py)
     adjust_s: float = 0.0  # seconds the feedback took after the step (a plan change: planning, rewriting, building)
+    # The step ran while a plan change was planned and built off the critical path (ManagedStep, "background
+    # builds"): its time shares the machine with that work, and it is no measurement of its plan.
+    building: bool = False
 
 
 @dataclasses.dataclass
@@ -72,6 +75,7 @@ class SignatureState:
     # the trial plan; seconds: those measured, after the first), and each policy considered -> what came of it.
     trial: dict | None = None
     tried: dict = dataclasses.field(default_factory=dict)
+    build: Any = None  # a plan change under way off the critical path (managed_step.Build), or None
 
 
 def signature_key(concrete, args) -> str:

@@ -103,6 +103,12 @@ def rebuild(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step"
     return ConcreteFunction.from_func_graph(fg, concrete.function_type, attrs={})
 
 
+def device_scope_around() -> bool:
+    """Whether a function built in this thread now gets a device scope from around it (`tf.device` in effect): a
+    function built in another thread would not."""
+    return bool(func_graph_module.FuncGraph("capuchin_probe")._device_functions_outer_to_inner)
+
+
 def _strip_devices(body: graph_pb2.GraphDef) -> dict[str, str]:
     """Clears the device of every node of `body`; returns node name -> the device it had."""
     devices = {}
