@@ -169,8 +169,11 @@ def _run_worker(a: argparse.Namespace) -> int:
         try:
             # CAPUCHIN_TF_VERBOSE=1: the decorator says what it does (plans, retries, passive rescues) as it goes.
             # --stop-on-rescue: a step passive mode would have to rescue ends the run at once.
+            # CAPUCHIN_TF_BACKGROUND_BUILDS=0: plan changes are built in the step that asks (for comparisons).
             options = decorator.make_options(budget, policy=a.policy, link=a.link,
                                              passive_rescue=not a.stop_on_rescue,
+                                             background_builds=os.environ.get("CAPUCHIN_TF_BACKGROUND_BUILDS",
+                                                                              "1") != "0",
                                              verbose=os.environ.get("CAPUCHIN_TF_VERBOSE", "") not in ("", "0"))
             managed = decorator.wrap_step(setup.train_step, options)
         except recorded as e:

@@ -146,9 +146,9 @@ def trial_keeps(incumbent_s: float, trial_steps_s) -> bool:
 
 
 def margin_budget(plan_budget: int, evicted_on_demand: int, floor: int) -> int | None:
-    """The plan budget of a LEARNED_MARGIN trial: `plan_budget` less the bytes a guided step evicted on demand (what
-    its plan needed beyond the memory it was predicted to use); None when nothing was evicted or that is not above
-    the working-set `floor`."""
+    """The plan budget of a LEARNED_MARGIN trial: `plan_budget` less the bytes guided steps evicted on demand (what
+    their plan needed beyond the memory it was predicted to use: the most of any of its steps, which the margin must
+    cover); None when nothing was evicted or that is not above the working-set `floor`."""
     budget = plan_budget - evicted_on_demand
     return budget if evicted_on_demand > 0 and budget > floor else None
 

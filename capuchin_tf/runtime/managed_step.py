@@ -308,7 +308,7 @@ class ManagedStep:
         if self.options.strict:
             raise CapuchinError(f"capuchin_tf cannot manage this step ({state.key}): {reason}")
         state.fallback_reason = reason
-        state.fn = None
+        state.fn = state.build = None
         warnings.warn(f"capuchin_tf: running the plain TensorFlow step for this input signature: {reason}",
                       RuntimeWarning, stacklevel=5)
 
@@ -859,23 +859,26 @@ class ManagedStep:
             # against (moving triggers for late prefetches first would put the trial off by a step per change).
             return False
         device_model = self._device_model(state.trace, state)
+        # The steps of the plan that runs, after the one that instantiated it (this one included).
+        ran = [r for r in state.history[-state.steps_since_change:]
+               if r.phase == "guided" and not r.building] or [record]
         candidates = []
         for name in untried:
             budget = state.plan_budget
             if name == LEARNED_MARGIN:
-                # The policy's own plan for the budget less what this step evicted on demand: what the plan was
-                # measured to need beyond its prediction (docs/decisions.md, "A learned margin").
-                budget = margin_budget(state.plan_budget, record.passive_evicted_bytes, state.floor_bytes)
+                # The policy's own plan for the budget less the most its steps evicted on demand: what the plan was
+                # measured to need beyond its prediction (docs/decisions.md, "A learned margin"). The bytes evicted
+                # on demand vary from step to step on one plan (14 or 33 MiB on the quick tier's transformer).
+                evicted = max(r.passive_evicted_bytes for r in ran)
+                budget = margin_budget(state.plan_budget, evicted, state.floor_bytes)
                 if budget is None:
-                    state.tried[name] = (f"not tried: {record.passive_evicted_bytes} bytes evicted on demand, "
-                                         f"floor {state.floor_bytes} bytes")
+                    state.tried[name] = (f"not tried: {evicted} bytes evicted on demand, floor {state.floor_bytes} "
+                                         "bytes")
                     continue
             candidates.append((name, budget))
         if not candidates:
             return None
-        ran = [r.seconds for r in state.history[-state.steps_since_change:]
-               if r.phase == "guided" and not r.building][-3:]
-        incumbent_s = statistics.median(ran) if ran else record.seconds
+        incumbent_s = statistics.median([r.seconds for r in ran[-3:]])
         plan_budget = state.plan_budget
         running = state.plan
         dtypes, shapes = self._tensor_info(state)
