@@ -121,6 +121,7 @@ TRIAL_FRACTION = 0.05
 TRIAL_PEAK_SLACK = 0.0
 TRIAL_STEPS = 2
 TRIAL_KEEP = 0.97  # the trial plan is kept when its median step is at most this fraction of the incumbent's
+TRIAL_PREDICTION_SLACK = 0.15  # a trial plan predicted slower than the incumbent's measured step by more is not tried
 LEARNED_MARGIN = "margin"  # a `trials` entry: the policy's own plan, for the budget less what was evicted on demand
 
 
@@ -138,6 +139,16 @@ def trial_candidate(plan: Plan, budget: int) -> bool:
     """Whether a trial policy's `plan` may be tried under `budget`: nothing unreachable, predicted within
     TRIAL_PEAK_SLACK of the budget."""
     return plan.unreachable_op is None and plan.predicted_peak_bytes <= budget * (1 + TRIAL_PEAK_SLACK)
+
+
+def trial_may_win(plan: Plan, incumbent_s: float, speedup: float) -> bool:
+    """Whether a trial's `plan` may be measured faster than the plan that runs, whose guided steps take
+    `incumbent_s`: its predicted step (on the trace's clock, `speedup` times slower than the guided steps') is under
+    the incumbent's measured one, less TRIAL_PREDICTION_SLACK (the simulator's error the issue bounds). A plan
+    predicted slower than that cannot win the trial, and trying it costs a plan change and its measured steps (a
+    margin plan of recomputations predicted 1.80x the trace's step on the mlp, against its incumbent measured at
+    1.2x)."""
+    return plan.predicted_step_s <= (1 + TRIAL_PREDICTION_SLACK) * incumbent_s * speedup
 
 
 def trial_keeps(incumbent_s: float, trial_steps_s) -> bool:

@@ -82,6 +82,7 @@ from capuchin_tf.policy.feedback import (
     tighter_plan,
     trial_candidate,
     trial_keeps,
+    trial_may_win,
     wants_trial,
 )
 from capuchin_tf.policy.plan_cache import CacheKey, PlanCache
@@ -879,8 +880,7 @@ class ManagedStep:
         if not candidates:
             return None
         incumbent_s = statistics.median([r.seconds for r in ran[-3:]])
-        plan_budget = state.plan_budget
-        running = state.plan
+        plan_budget, running, speedup = state.plan_budget, state.plan, state.speedup
         dtypes, shapes = self._tensor_info(state)
         if self.options.verbose:
             print(f"capuchin_tf: guided steps wait {record.waited_s} for copies on demand; trying the plans of "
@@ -906,6 +906,10 @@ class ManagedStep:
                     tried[name] = (f"not tried: predicted peak {plan.predicted_peak_bytes} bytes for a budget of "
                                    f"{plan_budget}" if plan.unreachable_op is None else
                                    f"not tried: op {plan.unreachable_op!r} does not fit")
+                    continue
+                if not trial_may_win(plan, incumbent_s, speedup):
+                    tried[name] = (f"not tried: predicted {plan.predicted_step_s / speedup:.3f} s a step against "
+                                   f"{incumbent_s:.3f} s measured")
                     continue
                 try:
                     built = self._build(state, plan, dtypes, shapes)

@@ -166,6 +166,21 @@ def test_measured_arbitration_opens_a_trial_only_for_waits_on_demand_of_a_share_
     assert trial_keeps(1.0, [0.5, 0.9, 5.0])  # the median: one slow step does not decide
 
 
+def test_a_trial_is_not_made_of_a_plan_predicted_slower_than_the_incumbent_was_measured():
+    """trial_may_win: the trial plan's predicted step (the trace's clock) against the incumbent's measured guided
+    step times the speed-up of guided steps over the trace, with TRIAL_PREDICTION_SLACK of room."""
+    import dataclasses
+
+    from capuchin_tf.policy.feedback import TRIAL_PREDICTION_SLACK, trial_may_win
+
+    plan = dataclasses.replace(PLAN, predicted_step_s=2.0)
+    assert trial_may_win(plan, incumbent_s=2.0, speedup=1.0)
+    assert trial_may_win(plan, incumbent_s=2.0 / (1 + TRIAL_PREDICTION_SLACK) + 1e-9, speedup=1.0)
+    assert not trial_may_win(plan, incumbent_s=2.0 / (1 + TRIAL_PREDICTION_SLACK) * 0.99, speedup=1.0)
+    assert trial_may_win(plan, incumbent_s=1.0, speedup=2.0)  # guided steps twice as fast as the trace's clock
+    assert not trial_may_win(plan, incumbent_s=1.0, speedup=1.5)
+
+
 def test_a_learned_margin_plans_for_the_budget_less_what_was_evicted_on_demand_and_must_predict_lower():
     """margin_budget: the plan budget less the bytes evicted on demand, none when nothing was or when that is not
     above the floor; margin_candidate: a trial candidate under the real budget predicted below the plan that ran."""
