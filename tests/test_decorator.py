@@ -521,6 +521,18 @@ def test_a_plan_predicted_over_the_budget_that_runs_out_of_memory_goes_passive_o
     assert ("restore", {0}) in log
 
 
+# The end of the scripts below: without a budget, plain TensorFlow's steps; then the losses and the variables' digest.
+_RESULT_TAIL = """else:
+    losses = [setup.train_step(*setup.inputs) for _ in range({steps})]
+    result = {{}}
+result["losses"] = [float.hex(float(x)) for x in losses]
+h = hashlib.sha256()
+for v in setup.variables:
+    h.update(np.asarray(v.numpy()).tobytes())
+result["digest"] = h.hexdigest()
+print(json.dumps(result))
+"""
+
 TRIAL = """
 import hashlib, json
 import numpy as np
@@ -537,16 +549,7 @@ if {budget}:
     (report,) = step.report().values()
     result = dict(trials=report["trials"], plan_policy=report["plan_policy"], plan_budget=report["plan_budget_bytes"],
                   phases=[s["phase"] for s in report["steps"]], peaks=[s["peak_bytes"] for s in report["steps"]])
-else:
-    losses = [setup.train_step(*setup.inputs) for _ in range({steps})]
-    result = {{}}
-result["losses"] = [float.hex(float(x)) for x in losses]
-h = hashlib.sha256()
-for v in setup.variables:
-    h.update(np.asarray(v.numpy()).tobytes())
-result["digest"] = h.hexdigest()
-print(json.dumps(result))
-"""
+""" + _RESULT_TAIL
 # The quick tier's transformer at persistent + half its transient peak (docs/results.md, the quick tier's suite).
 TRIAL_BUDGET_MB, TRIAL_STEPS = 79, 10
 
@@ -614,20 +617,10 @@ if mode != "plain":
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         losses = [step(*setup.inputs) for _ in range({steps})]
-    (state,) = step.states().values()
     (report,) = step.report().values()
     result = dict(built_in=built_in, steps=report["steps"], warned=[str(w.message) for w in caught
                                                                     if "could not be built" in str(w.message)])
-else:
-    losses = [setup.train_step(*setup.inputs) for _ in range({steps})]
-    result = {{}}
-result["losses"] = [float.hex(float(x)) for x in losses]
-h = hashlib.sha256()
-for v in setup.variables:
-    h.update(np.asarray(v.numpy()).tobytes())
-result["digest"] = h.hexdigest()
-print(json.dumps(result))
-"""
+""" + _RESULT_TAIL
 BUILD_STEPS = 12
 
 

@@ -111,9 +111,10 @@ def tighter_plan(plan_for: Callable[[int], Plan], current_budget: int,
 # arbitration"). So when a settled
 # guided step waits for copies on demand for at least TRIAL_FRACTION of its time, the plans of the policy's `trials`
 # (policy.Policy) are tried, each for TRIAL_STEPS measured steps (after the first, which instantiates the new step),
-# and kept only when measured faster than the plan that ran. The trial LEARNED_MARGIN is the policy's own plan for its
-# plan budget less the bytes that step evicted on demand: what the plan was measured to need beyond its prediction
-# (docs/decisions.md, "A learned margin").
+# and kept only when measured faster than the plan that ran; a plan predicted slower than the incumbent was measured
+# is not tried (trial_may_win). The trial LEARNED_MARGIN is the policy's own plan for its plan budget less the most
+# its steps evicted on demand: what the plan was measured to need beyond its prediction (docs/decisions.md, "A learned
+# margin").
 ON_DEMAND_KINDS = ("passive_eviction", "evicted_get", "copy_wait", "device_move")  # core/stalls.py, lower case
 TRIAL_FRACTION = 0.05
 # None since 0bdc7aa (it was 5%): plans run over their predicted peak (docs/decisions.md, "A learned margin"), and a
