@@ -15,8 +15,9 @@ link (p100) follows the speed the guided steps compute at.
 Background builds (`background_builds`, on by default): a plan change the feedback or a measured arbitration asks for
 is planned, rewritten and built (`Build`: a thread of its own) while the current plan keeps running, and runs from the
 step after the one during which it became ready; steps that ran while it was built (`StepRecord.building`) give no
-feedback and are no measurement of their plan (they share the machine with the build). A plan change after an
-out-of-memory error is made at once, and drops any under way.
+feedback and are no measurement of their plan (they share the machine with the build, which runs at the lowest
+priority and is waited for after BUILD_WAIT_STEPS of them). A plan change after an out-of-memory error is made at
+once, and drops any under way.
 
 The budget holds: while a managed step runs, the device allocator enforces `budget_bytes` when it is below the
 device's size (ops.set_memory_budget: passive eviction at the budget, an out-of-memory error past it). A budget below
@@ -54,6 +55,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import os
 import statistics
 import sys
 import threading
@@ -116,6 +118,13 @@ atexit.register(lambda: [thread.join() for thread in list(_BUILDS)])
 # host store's counters), and at 5 ms a wait that is most of a short step (docs/decisions.md, "Plan changes off the
 # critical path").
 BUILD_SWITCH_INTERVAL_S = 0.0002
+# The build thread runs at this niceness (Linux): the step's kernels get the cores first and the build what they leave
+# (the steps a ResNet50 build overlaps: 0.3-0.5 s slower in all, against 0.7-1.1 s at the step's own priority; the
+# build arrives a step or two later; docs/decisions.md, "Plan changes off the critical path").
+BUILD_NICE = 19
+# A build not done after it overlapped this many steps is waited for at the end of the last of them (a niced thread
+# on a machine busy with other work could otherwise wait indefinitely).
+BUILD_WAIT_STEPS = 3
 _switch = {"builds": 0, "interval": None}
 _switch_lock = threading.Lock()
 
@@ -137,6 +146,7 @@ class Build:
 
     def __init__(self, job, then):
         self.then = then
+        self.steps = 0  # steps that ran while it was built
         self.result = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(job,), name="capuchin-tf-build", daemon=True)
@@ -146,6 +156,11 @@ class Build:
 
     def _run(self, job) -> None:
         try:
+            if sys.platform.startswith("linux"):  # a thread's own priority (elsewhere it would be the process's)
+                try:
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BUILD_NICE)
+                except OSError:
+                    pass
             self.result = job()
         except BaseException as e:  # noqa: BLE001  (reported when the result is taken)
             self.error = e
@@ -593,11 +608,15 @@ class ManagedStep:
 
     def _take_build(self, state: SignatureState, record: StepRecord) -> bool:
         """After a step that ran while a plan change was built: the step is marked `building`; if the change is
-        ready, it runs from the next step (True). A build that failed leaves the current plan, with a warning."""
+        ready (or it has overlapped BUILD_WAIT_STEPS steps: then it is waited for), it runs from the next step (True).
+        A build that failed leaves the current plan, with a warning."""
         build = state.build
         record.building = True
+        build.steps += 1
         if not build.done():
-            return False
+            if build.steps < BUILD_WAIT_STEPS:
+                return False
+            build.thread.join()
         state.build = None
         if build.error is not None:
             warnings.warn(f"capuchin_tf: a new plan could not be built ({type(build.error).__name__}: "
