@@ -613,6 +613,15 @@ if mode != "plain":
         return build(self, *args)
 
     managed_step.ManagedStep._build = slow_build
+    if mode == "nothread":  # no thread can be started: the change is built in the step that asks
+        start = threading.Thread.start
+
+        def refuse(thread):
+            if thread.name == "capuchin-tf-build":
+                raise RuntimeError("can't start new thread")
+            return start(thread)
+
+        threading.Thread.start = refuse
     step = capuchin_tf.function(setup.train_step, memory_budget={budget}, policy="capuchin", link="p100")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -624,25 +633,34 @@ if mode != "plain":
 BUILD_STEPS = 12
 
 
-@pytest.mark.parametrize("mode", ["build", "fail"])
+@pytest.mark.parametrize("mode", ["build", "fail", "nothread"])
 def test_a_plan_change_is_built_off_the_critical_path_and_the_step_stays_bit_for_bit(simulated_device, mode):
     """Background builds: the guided step whose feedback asks for a plan change returns without waiting for the
     build (slowed by 1 s here, longer than a step); the steps after it run the current plan, marked `building`,
-    until the build is ready, and the new plan runs from the step after that one. A build that fails leaves the
-    current plan, with one warning. Every step is guided, under the budget on a device twice its size, with plain
-    TensorFlow's losses and variables."""
+    until the build is ready (at most BUILD_WAIT_STEPS of them), and the new plan runs from the step after that one.
+    A build that fails leaves the current plan, with one warning; where no thread can be started, the change is built
+    in the step that asks. Every step is guided, under the budget on a device twice its size, with plain TensorFlow's
+    losses and variables."""
+    from capuchin_tf.runtime.managed_step import BUILD_WAIT_STEPS
+
     plain = simulated_device(BUILD.format(mode="plain", budget=0, steps=BUILD_STEPS), limit_mb=4096, timeout=600)
     result = simulated_device(BUILD.format(mode=mode, budget=TRIAL_BUDGET_MB * MiB, steps=BUILD_STEPS),
                               limit_mb=2 * TRIAL_BUDGET_MB, timeout=900)
     steps = result["steps"]
     assert [s["phase"] for s in steps] == ["measured"] + ["guided"] * (BUILD_STEPS - 1), steps
-    assert result["built_in"] == ["main", "background"], result["built_in"]  # the first plan, then the change
     building = [i for i, s in enumerate(steps) if s["building"]]
+    changed = [i for i, s in enumerate(steps) if s["plan_changed"]]
+    if mode == "nothread":
+        assert result["built_in"] == ["main", "main"], result["built_in"]
+        assert building == [] and changed == [2] and not result["warned"], (building, changed)  # the asking step
+        assert result["losses"] == plain["losses"] and result["digest"] == plain["digest"]
+        return
+    assert result["built_in"] == ["main", "background"], result["built_in"]  # the first plan, then the change
     assert building, steps
     asker = building[0] - 1  # the step after which the feedback asked (the third: the second guided one)
     assert asker == 2 and steps[asker]["adjust_s"] < 1.0 and not steps[asker]["plan_changed"], steps
     assert building == list(range(building[0], building[-1] + 1)), building  # until the build is taken
-    changed = [i for i, s in enumerate(steps) if s["plan_changed"]]
+    assert len(building) <= BUILD_WAIT_STEPS, building
     if mode == "build":
         assert changed == [building[-1]], (changed, building)  # the new plan runs from the step after
         assert not result["warned"]

@@ -152,7 +152,11 @@ class Build:
         self.thread = threading.Thread(target=self._run, args=(job,), name="capuchin-tf-build", daemon=True)
         _BUILDS.add(self.thread)
         _builds_running(+1)
-        self.thread.start()
+        try:
+            self.thread.start()
+        except BaseException:
+            _builds_running(-1)
+            raise
 
     def _run(self, job) -> None:
         try:
@@ -603,8 +607,23 @@ class ManagedStep:
             self._commit(state, plan, budget, *built)
             return True
 
-        state.build = Build(lambda: self._build(state, plan, dtypes, shapes), then)
-        return False
+        return self._start_build(state, lambda: self._build(state, plan, dtypes, shapes), then)
+
+    def _start_build(self, state: SignatureState, job, then) -> bool:
+        """`job` built in the background (False: the plan has not changed yet), or, when no thread can be started,
+        now (True when the plan changed; a job that fails leaves the plan, with a warning)."""
+        try:
+            state.build = Build(job, then)
+            return False
+        except RuntimeError:  # "can't start new thread"
+            state.build = None
+        try:
+            result = job()
+        except Exception as e:  # noqa: BLE001  (as a background build that fails)
+            warnings.warn(f"capuchin_tf: a new plan could not be built ({type(e).__name__}: {e}); the current plan "
+                          "stays", RuntimeWarning, stacklevel=5)
+            return False
+        return then(result)
 
     def _take_build(self, state: SignatureState, record: StepRecord) -> bool:
         """After a step that ran while a plan change was built: the step is marked `building`; if the change is
@@ -959,8 +978,7 @@ class ManagedStep:
             return True
 
         if self._in_background():
-            state.build = Build(job, then)
-            return False
+            return self._start_build(state, job, then)
         return then(job()) or None
 
     def _end_trial(self, state: SignatureState, keep: bool, why: str) -> None:
