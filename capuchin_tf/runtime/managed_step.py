@@ -873,9 +873,10 @@ class ManagedStep:
                   "move triggers earlier", flush=True)
 
     def _arbitrate(self, state: SignatureState, args, record: StepRecord) -> bool | None:
-        """Measured arbitration after a guided step (policy.feedback: wants_trial, trial_keeps): a settled step that
-        waited for copies on demand for TRIAL_FRACTION of its time has the plan of each of the policy's `trials` tried
-        for TRIAL_STEPS measured steps, kept only if measured faster. True: the plan changed; False: it did not and the
+        """Measured arbitration after a guided step (policy.feedback: wants_trial, trial_candidate, trial_may_win,
+        trial_keeps): a settled step that waited for copies on demand for TRIAL_FRACTION of its time has the plan of
+        each of the policy's `trials` tried for TRIAL_STEPS measured steps (in the background: the first candidate that
+        plans, fits and builds), kept only if measured faster. True: the plan changed; False: it did not and the
         feedback leaves this step (a trial under way); None: no arbitration, the feedback goes on."""
         trial = state.trial
         if trial is not None:
