@@ -291,11 +291,11 @@ def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_on
 
         monkeypatch.setattr(managed_step, "make_plan", make_plan)
         monkeypatch.setattr(step, "_install",
-                            lambda state, args, plan, budget: installed.append((budget, plan)) or True)
+                            lambda state, plan, budget: installed.append((budget, plan)) or True)
         state = SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB),
                                        plan=SimpleNamespace(feasible=True, predicted_peak_bytes=99 * MiB),
                                        plan_budget=100 * MiB)
-        return state, step._tighten(state, (), reason="out of memory")
+        return state, step._tighten(state, reason="out of memory")
 
     # The plan for 95% of the budget fits: it is installed, nothing else is planned.
     state, changed = run(lambda b: (True, b - MiB))
@@ -312,7 +312,7 @@ def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_on
     state, changed = run(lambda b: (False, 130 * MiB))
     assert not changed and not installed and state.untightenable_at == 100 * MiB
     calls.clear()
-    assert step._tighten(state, (), reason="out of memory") is False and calls == []
+    assert step._tighten(state, reason="out of memory") is False and calls == []
 
     # Nothing fits, but one plan is predicted below the current one: the lowest is installed.
     state, changed = run(lambda b: (False, 97 * MiB if b == 95 * MiB else 120 * MiB))
@@ -471,7 +471,7 @@ def test_a_guided_step_that_no_tighter_plan_rescues_goes_back_to_the_last_plan_t
 
     monkeypatch.setattr(function_surgery, "call_without_grappler", call)
     monkeypatch.setattr(recovery, "possibly_written", lambda graph_def, writes, node: written)
-    monkeypatch.setattr(step, "_tighten", lambda state, args, reason: False)
+    monkeypatch.setattr(step, "_tighten", lambda state, reason: False)
     assert step._guided(state, ()) == "outputs"
     assert runs == ["step B", "step A"]
     assert [x for x in log if x != "take"] == ([("restore", written)] if restores else [])

@@ -63,7 +63,7 @@ def main() -> int:
     function_surgery.rebuild(state.concrete, graph_def, name="capuchin_guided_step")
     parts["rebuild_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    installed = managed._install(state, setup.inputs, moved, state.plan_budget)  # the same edits, installed
+    installed = managed._install(state, moved, state.plan_budget)  # the same edits, installed
     parts["install_s"] = time.perf_counter() - t0
     for name in ("first_call_after_s", "second_call_after_s"):
         t0 = time.perf_counter()

@@ -43,8 +43,7 @@ class CapuchinCallback(keras.callbacks.Callback):
     memory_budget: bytes, or a string such as "2GiB"; default: the device's limit.
     policy: a registered policy (`capuchin`, `swap-only`, `recompute-only`, `swap-all`, `checkpoint`, `tf`).
     link, policy_options, plan_cache, feedback, max_replans, settle_steps, background_builds, strict, max_signatures,
-    verbose: as in
-    `capuchin_tf.function`.
+    verbose: as in `capuchin_tf.function`.
     """
 
     def __init__(self, memory_budget: int | float | str | None = None, policy: str = "capuchin",

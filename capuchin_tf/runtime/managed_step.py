@@ -435,7 +435,7 @@ class ManagedStep:
         state.trace = trace
         state.history.append(StepRecord("measured", seconds, trace.peak_bytes, retried=retried))
         try:
-            self._plan_and_rewrite(state, args, self.options.budget_bytes)
+            self._plan_and_rewrite(state, self.options.budget_bytes)
         except (Refusal, Exception) as e:  # noqa: BLE001  (whatever went wrong, the step's update stands, once)
             if self.options.strict:
                 state.snapshot.restore()
@@ -513,7 +513,7 @@ class ManagedStep:
         state.trace, state.from_cache = trace, True
         self._device_model(trace, state)
         try:
-            self._install(state, args, plan, self.options.budget_bytes or 0)
+            self._install(state, plan, self.options.budget_bytes or 0)
         except Refusal as e:
             warnings.warn(f"capuchin_tf: the cached plan could not be applied ({e}); measuring again",
                           RuntimeWarning, stacklevel=4)
@@ -522,7 +522,7 @@ class ManagedStep:
         return True
 
     # ---- planning and rewriting --------------------------------------------------------------------------------
-    def _plan_and_rewrite(self, state: SignatureState, args, budget: int | None, force: bool = False) -> None:
+    def _plan_and_rewrite(self, state: SignatureState, budget: int | None, force: bool = False) -> None:
         trace = state.trace
         device_model = self._device_model(trace, state)
         if not force and (budget is None or (trace.evicted_bytes == 0
@@ -530,9 +530,9 @@ class ManagedStep:
             state.plan, state.plan_budget, state.fn = None, budget or 0, None  # nothing to save: run the plain step
             return
         plan = make_plan(trace, budget, self.options.policy, device_model, **self.options.planner_options())
-        self._install(state, args, plan, budget)
+        self._install(state, plan, budget)
 
-    def _install(self, state: SignatureState, args, plan: Plan, budget: int) -> bool:
+    def _install(self, state: SignatureState, plan: Plan, budget: int) -> bool:
         """Rewrites the step for `plan` now (a change under way off the critical path is dropped). If that fails: the
         first plan raises Refusal; a later one (feedback, a tighter plan) warns and keeps the plan that runs. True when
         the new plan is installed."""
@@ -597,7 +597,7 @@ class ManagedStep:
         """A plan change the feedback asks for: installed now (True if it was), or built in the background (False:
         the current plan runs until the new one is ready; ManagedStep._take_build)."""
         if not self._in_background():
-            return self._install(state, None, plan, budget)
+            return self._install(state, plan, budget)
         if self.options.verbose:
             print(f"capuchin_tf: building the plan for {budget / 2**20:.1f} MiB in the background: {plan.summary()}",
                   flush=True)
@@ -683,7 +683,7 @@ class ManagedStep:
                 if state.fn is None:
                     # The plain step did not fit the budget after all (its executor's order peaks higher than the
                     # measured one): from now on the plan, made for it.
-                    self._plan_and_rewrite(state, args, self.options.budget_bytes, force=True)
+                    self._plan_and_rewrite(state, self.options.budget_bytes, force=True)
                     continue
                 if state.trial is not None:
                     # A trial plan (measured arbitration) ran out of memory: back to the plan that ran before it.
@@ -710,7 +710,7 @@ class ManagedStep:
                               f"for {format_bytes(state.plan_budget)}, ran out of memory; the steps run in passive "
                               "mode from now on", flush=True)
                     return self._passive(state, args, retried, e)
-                if not self._tighten(state, args, reason=f"out of memory ({oom_line(e)})"):
+                if not self._tighten(state, reason=f"out of memory ({oom_line(e)})"):
                     self._back_to_good(state)
                 continue
             except Exception as e:
@@ -758,9 +758,9 @@ class ManagedStep:
                 if state.build is not None:  # a plan change under way: this step is no feedback on its plan
                     record.plan_changed = self._take_build(state, record)
                 else:
-                    arbitrated = self._arbitrate(state, args, record) if state.fn is not None and not retried else None
+                    arbitrated = self._arbitrate(state, record) if state.fn is not None and not retried else None
                     record.plan_changed = (arbitrated if arbitrated is not None else
-                                           self._adjust(state, args, late, early, peak, seconds,
+                                           self._adjust(state, late, early, peak, seconds,
                                                         dict(stalls.evicted)))
                 record.adjust_s = time.perf_counter() - t_adjust
             state.steps_since_change = 0 if record.plan_changed or retried else state.steps_since_change + 1
@@ -831,7 +831,7 @@ class ManagedStep:
         return CapuchinError(f"capuchin_tf: out of memory under a budget of {budget} {what}. TensorFlow said: "
                              f"{oom_line(error)}")
 
-    def _tighten(self, state: SignatureState, args, reason: str) -> bool:
+    def _tighten(self, state: SignatureState, reason: str) -> bool:
         """Re-plans for a tighter budget after an out-of-memory error or a peak over the budget (the choice:
         policy.feedback.tighter_plan); True if the plan changed. A budget for which no tighter plan was found is not
         searched again."""
@@ -855,7 +855,7 @@ class ManagedStep:
                 print("capuchin_tf: no tighter plan is predicted below the current one; retrying it", flush=True)
             return False
         budget, plan = choice
-        return self._install(state, args, plan, budget)
+        return self._install(state, plan, budget)
 
     def _back_to_good(self, state: SignatureState) -> None:
         """After an out-of-memory error that no tighter plan answers: back to the last plan that ran, if the feedback
@@ -872,7 +872,7 @@ class ManagedStep:
             print("capuchin_tf: back to the plan of the last guided step that completed; late prefetches no longer "
                   "move triggers earlier", flush=True)
 
-    def _arbitrate(self, state: SignatureState, args, record: StepRecord) -> bool | None:
+    def _arbitrate(self, state: SignatureState, record: StepRecord) -> bool | None:
         """Measured arbitration after a guided step (policy.feedback: wants_trial, trial_candidate, trial_may_win,
         trial_keeps): a settled step that waited for copies on demand for TRIAL_FRACTION of its time has the plan of
         each of the policy's `trials` tried for TRIAL_STEPS measured steps (in the background: the first candidate that
@@ -991,14 +991,14 @@ class ManagedStep:
         if self.options.verbose:
             print(f"capuchin_tf: the {trial['policy']} plan {'stays' if keep else 'is dropped'} ({why})", flush=True)
 
-    def _adjust(self, state: SignatureState, args, late: Mapping[str, float], early: list[str], peak: int,
+    def _adjust(self, state: SignatureState, late: Mapping[str, float], early: list[str], peak: int,
                 seconds: float, early_waits: Mapping[str, float] | None = None) -> bool:
         """Feedback after a guided step (policy.feedback.plan_after_step; a peak over the budget tightens); True when
         the plan changed (and the step was rewritten)."""
         if state.plan is None or state.replans >= self.options.max_replans:
             return False
         if self.options.budget_bytes is not None and peak > self.options.budget_bytes and state.fn is not None:
-            return self._tighten(state, args, reason=f"peak {peak} over the budget")
+            return self._tighten(state, reason=f"peak {peak} over the budget")
         plan = plan_after_step(state.plan, state.trace, late, early, seconds, state.earlier_frozen, early_waits)
         if plan is state.plan:
             return False
