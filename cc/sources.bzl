@@ -13,6 +13,7 @@ CAPUCHIN_OPS_SRCS = [
     "kernels/tensor_pool.cc",
     "kernels/swap_kernels.cc",
     "kernels/stats_kernels.cc",
+    "kernels/step_layout.cc",
     "kernels/device_allocator.cc",
     "kernels/variable_kernels.cc",
 ]
@@ -25,6 +26,7 @@ CAPUCHIN_OPS_HDRS = [
     "kernels/store_entry.h",
     "kernels/store_trace.h",
     "kernels/tensor_pool.h",
+    "kernels/step_layout.h",
     "kernels/device_allocator.h",
     "kernels/kernel_inputs.h",
 ]

@@ -668,3 +668,58 @@ def test_a_plan_change_is_built_off_the_critical_path_and_the_step_stays_bit_for
         assert changed == [] and len(result["warned"]) == 1, (changed, result["warned"])
     assert max(s["peak_bytes"] for s in steps) <= TRIAL_BUDGET_MB * MiB
     assert result["losses"] == plain["losses"] and result["digest"] == plain["digest"]
+
+
+LAYOUT = """
+import hashlib, json
+import numpy as np
+import tensorflow as tf
+import capuchin_tf
+from capuchin_tf.cli import models
+from capuchin_tf.tf import ops
+
+setup = models.build("transformer", 32)
+if {budget}:
+    step = capuchin_tf.function(setup.train_step, memory_budget={budget}, policy="checkpoint", feedback=False,
+                                planned_layout=True)
+    losses = [step(*setup.inputs) for _ in range({steps})]
+    (report,) = step.report().values()
+    record = ops.layout_record()
+    result = dict(steps=report["steps"], stats=ops.layout_stats(), in_use=ops.allocator_stats()["bytes_in_use"],
+                  start=step.states()[next(iter(step.states()))].start_bytes,
+                  record=dict(keys=[str(k) for k in record["keys"]], bytes=record["bytes"].tolist(),
+                              allocated=record["allocated"].tolist(), freed=record["freed"].tolist()))
+""" + _RESULT_TAIL
+# Room below the budget for the checkpoint plan (predicted at 80.3 MiB at 79 MiB, measured near 62 MiB): at 79 its
+# first guided step, on BFC alone, can run out of memory.
+LAYOUT_STEPS, LAYOUT_BUDGET_MB = 6, 90
+
+
+def test_the_planned_layout_places_a_guided_steps_allocations_and_the_step_stays_bit_for_bit(simulated_device):
+    """Options.planned_layout: the first guided step of a plan is recorded, every later one runs with the layout's
+    region, allocated within the budget at the step's start and given back at its end, and its recorded allocations
+    go where the layout says (a plan with room below the budget: the transformer's checkpoint plan at 90 MiB, measured
+    near 62 MiB). The steps with a region evict nothing on demand; every step is guided, under the budget on a
+    device twice its size, with plain TensorFlow's losses and variables."""
+    plain = simulated_device(LAYOUT.format(budget=0, steps=LAYOUT_STEPS), limit_mb=4096, timeout=600)
+    # One inter-op thread, as the benchmarks run: the step's allocations then come in the same order every time.
+    result = simulated_device(LAYOUT.format(budget=LAYOUT_BUDGET_MB * MiB, steps=LAYOUT_STEPS),
+                              limit_mb=2 * LAYOUT_BUDGET_MB, timeout=900, env={"TF_NUM_INTEROP_THREADS": "1"})
+    steps, stats = result["steps"], result["stats"]
+    assert [s["phase"] for s in steps] == ["measured"] + ["guided"] * (LAYOUT_STEPS - 1), steps
+    assert steps[1]["layout_bytes"] == 0  # the first guided step is recorded
+    with_region = steps[2:]
+    assert all(s["layout_bytes"] > 0 for s in with_region), [(s["layout_bytes"], s["layout_misses"]) for s in steps]
+    assert stats["region_steps"] == len(with_region) and stats["placed"] > 0, stats
+    assert all(s["passive_evicted_bytes"] == 0 for s in with_region), steps
+    # The last step's record: every allocation of more than 64 KiB, keyed by its op, freed after it was made (or live
+    # at the step's end); at most as many bytes live at once as the region holds.
+    record = result["record"]
+    assert record["keys"] and all(k.count("#") >= 2 and b > 64 << 10 for k, b in zip(record["keys"], record["bytes"]))
+    assert all(f == -1 or f > a for a, f in zip(record["allocated"], record["freed"])), record
+    events = sorted([(a, b) for a, b in zip(record["allocated"], record["bytes"])] +
+                    [(f, -b) for f, b in zip(record["freed"], record["bytes"]) if f >= 0])
+    assert max(np.cumsum([b for _, b in events])) <= max(s["layout_bytes"] for s in with_region)
+    assert max(s["peak_bytes"] for s in steps) <= LAYOUT_BUDGET_MB * MiB
+    assert result["in_use"] <= result["start"] + 2 * MiB  # the region was given back after the last step
+    assert result["losses"] == plain["losses"] and result["digest"] == plain["digest"]

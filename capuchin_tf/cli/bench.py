@@ -170,10 +170,13 @@ def _run_worker(a: argparse.Namespace) -> int:
             # CAPUCHIN_TF_VERBOSE=1: the decorator says what it does (plans, retries, passive rescues) as it goes.
             # --stop-on-rescue: a step passive mode would have to rescue ends the run at once.
             # CAPUCHIN_TF_BACKGROUND_BUILDS=0: plan changes are built in the step that asks (for comparisons).
+            # CAPUCHIN_TF_PLANNED_LAYOUT=1: guided steps allocate by the planned layout (for comparisons).
+            layout = os.environ.get("CAPUCHIN_TF_PLANNED_LAYOUT", "0") not in ("", "0")
             options = decorator.make_options(budget, policy=a.policy, link=a.link,
                                              passive_rescue=not a.stop_on_rescue,
                                              background_builds=os.environ.get("CAPUCHIN_TF_BACKGROUND_BUILDS",
                                                                               "1") != "0",
+                                             planned_layout=layout,
                                              verbose=os.environ.get("CAPUCHIN_TF_VERBOSE", "") not in ("", "0"))
             managed = decorator.wrap_step(setup.train_step, options)
         except recorded as e:

@@ -33,8 +33,8 @@ def make_options(memory_budget=None, **fields) -> Options:
 def function(fn=None, *, memory_budget: int | float | str | None = None, policy: str = "capuchin",
              link: str | float = "native", policy_options: Mapping[str, Any] | None = None,
              plan_cache: str | os.PathLike | None = None, feedback: bool = True, max_replans: int = 20,
-             settle_steps: int = 10, background_builds: bool = True, strict: bool = False,
-             max_signatures: int = MAX_SIGNATURES, input_signature=None, autograph: bool = True,
+             settle_steps: int = 10, background_builds: bool = True, planned_layout: bool = False,
+             strict: bool = False, max_signatures: int = MAX_SIGNATURES, input_signature=None, autograph: bool = True,
              reduce_retracing: bool = False, verbose: bool = False):
     """Wraps a training step (a Python function or a `tf.function`) so that it trains under `memory_budget`.
 
@@ -48,6 +48,9 @@ def function(fn=None, *, memory_budget: int | float | str | None = None, policy:
     feedback: adjust the plan from late prefetches and the measured peak; max_replans bounds how often.
     background_builds: plan changes (feedback, measured arbitration) are built in a background thread while the
         current plan keeps running; False: the step that asks for one waits for it.
+    planned_layout: on the simulated device, guided steps place their allocations of more than 64 KiB where a layout
+        made from an earlier step of the same plan says (no free memory in pieces); off by default (not yet a measured
+        win).
     strict: raise `CapuchinError` where capuchin_tf would otherwise refuse a step (one warning, then plain
         TensorFlow): a step that writes state it cannot copy back, whose plan cannot be applied, or whose measured or
         guided graph fails.
@@ -60,7 +63,8 @@ def function(fn=None, *, memory_budget: int | float | str | None = None, policy:
     options = make_options(memory_budget, policy=policy, link=link,
                            policy_options={} if policy_options is None else policy_options,
                            plan_cache=plan_cache, feedback=feedback, max_replans=max_replans,
-                           settle_steps=settle_steps, background_builds=background_builds, strict=strict,
+                           settle_steps=settle_steps, background_builds=background_builds,
+                           planned_layout=planned_layout, strict=strict,
                            max_signatures=max_signatures, verbose=verbose)
     return wrap_step(fn, options, input_signature=input_signature, autograph=autograph,
                      reduce_retracing=reduce_retracing)

@@ -655,6 +655,7 @@ class ManagedStep:
             if protected:
                 state.snapshot.take()
             before = ops.host_store_stats()
+            layout_before = ops.layout_stats()
             ops.drain_stalls()
             tf.config.experimental.reset_memory_stats(DEVICE)
             t0 = time.perf_counter()
@@ -666,9 +667,17 @@ class ManagedStep:
                         # Passive mode stays on as a safety net: an allocation that would fail first evicts pooled
                         # tensors and prefetched tensors their swap-in has not claimed (both come back on demand).
                         ops.set_passive_mode(self.safety_net)
+                        # The allocator's planned layout of this plan's function (Options.planned_layout).
+                        layout = self.options.planned_layout
+                        if layout:
+                            ops.layout_begin(id(state.fn))
+                        ok = False
                         try:
                             outputs = function_surgery.call_without_grappler(state.fn, *args)
+                            ok = True
                         finally:
+                            if layout:
+                                ops.layout_end(ok)
                             ops.set_passive_mode(False)
             except tf.errors.ResourceExhaustedError as e:
                 graph_def = state.guided_def if state.fn is not None else state.optimized
@@ -740,6 +749,11 @@ class ManagedStep:
                                 passive_evicted_bytes=after["passive_evicted_bytes"] - before["passive_evicted_bytes"],
                                 moved_bytes=after["device_moved_bytes"] - before["device_moved_bytes"],
                                 waited_s=dict(stalls.by_kind))
+            if state.fn is not None and self.options.planned_layout:
+                layout_after = ops.layout_stats()
+                with_region = layout_after["region_steps"] > layout_before["region_steps"]
+                record.layout_bytes = layout_before["region_bytes"] if with_region else 0
+                record.layout_misses = layout_after["step_misses"]
             state.history.append(record)
             waited = stalls.waited_s
             relinked = False

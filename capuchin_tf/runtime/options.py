@@ -34,6 +34,10 @@ class Options:
     background_builds: a plan change the feedback or a measured arbitration asks for is planned, rewritten and built
         in a background thread while the current plan keeps running, and runs from the step after it is ready;
         False: the step that asked waits for it. Plan changes after an out-of-memory error always wait.
+    planned_layout: on the simulated device, a guided step's allocations of more than 64 KiB go where a layout made
+        from an earlier step of the same plan says, in one region of the device (cc/kernels/step_layout.h), instead
+        of wherever BFC's best fit puts them. Off by default: not yet a measured win (docs/decisions.md, "Planned
+        layout").
     max_retries: guided attempts of one call (each with a tighter plan) before it runs in passive mode.
     protect_steps: guided steps after a plan change that run with host snapshots of what the step writes; None: all.
     passive_rescue: a guided step that keeps running out of memory runs in passive mode; False raises CapuchinError.
@@ -51,6 +55,7 @@ class Options:
     max_replans: int = 20
     settle_steps: int = 10
     background_builds: bool = True
+    planned_layout: bool = False
     max_retries: int = 2
     protect_steps: int | None = None
     passive_rescue: bool = True
@@ -89,7 +94,7 @@ class Options:
             raise TypeError(f"policy_options must be a mapping of option names to values, got {self.policy_options!r}")
         if self.plan_cache is not None and not isinstance(self.plan_cache, (str, os.PathLike)):
             raise TypeError(f"plan_cache must be a directory path (str or os.PathLike), got {self.plan_cache!r}")
-        for name in ("feedback", "background_builds", "passive_rescue", "strict", "verbose"):
+        for name in ("feedback", "background_builds", "planned_layout", "passive_rescue", "strict", "verbose"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name, low in (("max_replans", 0), ("settle_steps", 0), ("max_retries", 0), ("max_signatures", 1),

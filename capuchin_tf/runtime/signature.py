@@ -27,6 +27,10 @@ class StepRecord:
     passive_evictions: int = 0  # pooled tensors the safety net evicted on demand (what the plan did not save)
     passive_evicted_bytes: int = 0
     moved_bytes: int = 0  # pooled tensors' bytes the safety net moved inside the device instead (no link copy)
+    # The allocator's planned layout (cc/kernels/step_layout.h): the region's bytes this step ran with (0: none, the
+    # step was recorded), and the laid-out allocations that did not go where the layout said.
+    layout_bytes: int = 0
+    layout_misses: int = 0
     planned_bytes: int = 0  # bytes the plan this step ran saved (swapped + recomputed)
     waited_s: dict = dataclasses.field(default_factory=dict)  # stall kind -> seconds the step waited (core/stalls.py)
     adjust_s: float = 0.0  # seconds the feedback took after the step (a plan change: planning, rewriting, building)

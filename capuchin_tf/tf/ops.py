@@ -24,17 +24,19 @@ from capuchin_tf.tf import loader
 _ops = loader.load()
 
 
-def _host_store_stat_fields() -> tuple[str, ...]:
-    """The names of the HostStoreStats op's output entries, in order: the default of the op's `fields` attr, which
-    the library makes from its one list of the fields (cc/kernels/host_store_stats.h). Read from the op's registered
-    definition, so nothing runs (TensorFlow's devices need not exist yet)."""
-    op_def = op_def_registry.get("Capuchin>HostStoreStats")
+def _stat_fields(op_name: str = "Capuchin>HostStoreStats") -> tuple[str, ...]:
+    """The names of a statistics op's output entries, in order: the default of the op's `fields` attr (for
+    HostStoreStats the library makes it from its one list of the fields, cc/kernels/host_store_stats.h). Read from
+    the op's registered definition, so nothing runs (TensorFlow's devices need not exist yet)."""
+    op_def = op_def_registry.get(op_name)
     attr = next(a for a in op_def.attr if a.name == "fields")
     return tuple(s.decode() for s in attr.default_value.list.s)
 
 
 # The order of the HostStoreStats op's output.
-HOST_STORE_STAT_FIELDS = _host_store_stat_fields()
+HOST_STORE_STAT_FIELDS = _stat_fields()
+# The order of the LayoutStats op's output.
+LAYOUT_STAT_FIELDS = _stat_fields("Capuchin>LayoutStats")
 
 
 class HandleStatus(enum.IntEnum):
@@ -130,6 +132,39 @@ def set_small_pool(enabled: bool) -> None:
     64 KiB come from a pool of their own, so that small tensors that live long do not split the memory large tensors
     need (docs/decisions.md). Every managed step turns it on."""
     _ops.capuchin_set_small_pool(tf.constant(bool(enabled)))
+
+
+def layout_begin(function_id: int) -> None:
+    """Begins a guided step of the function `function_id` under the allocator's planned layout (on the simulated
+    device; elsewhere nothing): its allocations of more than 64 KiB are recorded and, once a step of the same function
+    was recorded, placed in one region of the device where the layout made from it says (cc/kernels/step_layout.h)."""
+    _ops.capuchin_layout_step(tf.constant(0, tf.int64), tf.constant(int(function_id), tf.int64))
+
+
+def layout_end(ok: bool = True) -> None:
+    """Ends the step `layout_begin` began; `ok` False after a failure (the layout is then dropped)."""
+    _ops.capuchin_layout_step(tf.constant(1 if ok else 2, tf.int64), tf.constant(0, tf.int64))
+
+
+def layout_reset() -> None:
+    """Drops the planned layout: the next step is recorded afresh."""
+    _ops.capuchin_layout_step(tf.constant(3, tf.int64), tf.constant(0, tf.int64))
+
+
+def layout_stats() -> dict[str, int]:
+    """The planned layout's counters: steps, steps with a region, layouts made, allocations placed as laid out,
+    misses (elsewhere in the region), fallbacks (not in the region), the region's bytes, allocations laid out, the last
+    step's misses and fallbacks."""
+    return dict(zip(LAYOUT_STAT_FIELDS, _ops.capuchin_layout_stats().numpy().tolist()))
+
+
+def layout_record() -> dict[str, np.ndarray]:
+    """The allocations of more than 64 KiB the last step under the planned layout recorded, in allocation order:
+    `keys` ("op#bytes#n"), `bytes` (rounded to 256), `allocated` and `freed` (when, counted in the step's allocation and
+    free events; freed -1: live at the step's end, -2: the allocation failed)."""
+    keys, nbytes, allocated, freed = _ops.capuchin_layout_record()
+    return {"keys": np.array([k.decode() for k in keys.numpy()], dtype=object), "bytes": nbytes.numpy(),
+            "allocated": allocated.numpy(), "freed": freed.numpy()}
 
 
 def set_memory_budget(nbytes: int | None) -> None:

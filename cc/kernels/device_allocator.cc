@@ -202,6 +202,77 @@ thread_local bool t_moving = false;
 
 void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const AllocationAttributes& attr) {
   if (t_moving) return AllocateOutsideWindow(alignment, num_bytes);
+  int64_t ticket = -1;
+  if (layout_.active() && static_cast<int64_t>(num_bytes) > layout_.min_bytes() && alignment <= 256) {
+    bool planned = false;
+    const std::string_view op = tsl::profiler::ScopedMemoryDebugAnnotation::CurrentAnnotation().pending_op_name;
+    void* ptr = layout_.Allocate(op, static_cast<int64_t>(num_bytes), &ticket, &planned);
+    if (ptr != nullptr) return ptr;
+    if (planned && HostStore::Global()->passive()) {
+      ptr = PlannedElsewhere(alignment, num_bytes, ticket);
+      if (ptr != nullptr) return ptr;
+    }
+  }
+  void* ptr = AllocateOnDevice(alignment, num_bytes, attr);
+  if (ptr == nullptr && ticket >= 0 && HostStore::Global()->passive()) {
+    // The device outside the region had no room even after passive mode's evictions, which cannot free the region's
+    // memory for it: the region, evicting from it.
+    ptr = InRegionEvicting(num_bytes, ticket);
+    if (ptr != nullptr) return ptr;
+  }
+  if (ticket >= 0) layout_.Bind(ticket, ptr);
+  return ptr;
+}
+
+void* CapuchinAllocator::PlannedElsewhere(size_t alignment, size_t num_bytes, int64_t ticket) {
+  AllocationAttributes no_retry(false, true, nullptr);
+  const int64_t budget = enforced_budget_.load(std::memory_order_relaxed);
+  auto allocate = [&] { return base_->AllocateRaw(alignment, num_bytes, no_retry); };
+  std::unique_lock<std::shared_mutex> exclusive(evict_mu_);
+  int64_t excess = 0;
+  void* ptr = budget > 0 ? Admit(budget, MaxBytesAdded(num_bytes), &excess, allocate) : allocate();
+  if (ptr != nullptr) {
+    layout_.Bind(ticket, ptr);
+    return ptr;
+  }
+  return InRegionEvicting(num_bytes, ticket, &exclusive);
+}
+
+void* CapuchinAllocator::InRegionEvicting(size_t num_bytes, int64_t ticket, std::unique_lock<std::shared_mutex>* held) {
+  std::unique_lock<std::shared_mutex> exclusive;
+  if (held == nullptr) exclusive = std::unique_lock<std::shared_mutex>(evict_mu_);
+  HostStore* store = HostStore::Global();
+  // A few rounds: when the region has no run of free and evictable memory that large, the store evicts tensors of
+  // about the size asked for wherever they are, which may not make one.
+  void* ptr = nullptr;
+  for (int round = 0; round < 4; round++) {
+    ptr = layout_.Retry(ticket);
+    if (ptr != nullptr) return ptr;
+    const std::vector<ChunkSpan> chunks = layout_.ChunkMap();
+    if (chunks.empty() || store->EvictFor(static_cast<int64_t>(num_bytes), &chunks) == 0) return nullptr;
+  }
+  return layout_.Retry(ticket);
+}
+
+void CapuchinAllocator::BeginLayoutStep(int64_t id) {
+  if (bfc_ == nullptr) return;
+  const int64_t want = layout_.Begin(id);
+  if (want <= 0) return;
+  // The region, within the budget like any allocation; none when the device has no run that large (the step then
+  // runs as without a layout, and is recorded).
+  AllocationAttributes no_retry(false, true, nullptr);
+  const int64_t budget = enforced_budget_.load(std::memory_order_relaxed);
+  auto allocate = [&] { return base_->AllocateRaw(Allocator::kAllocatorAlignment, want, no_retry); };
+  int64_t excess = 0;
+  layout_.Attach(budget > 0 ? Admit(budget, MaxBytesAdded(want), &excess, allocate) : allocate(), want);
+}
+
+void CapuchinAllocator::EndLayoutStep(bool ok) {
+  void* region = layout_.End(ok);
+  if (region != nullptr) base_->DeallocateRaw(region);
+}
+
+void* CapuchinAllocator::AllocateOnDevice(size_t alignment, size_t num_bytes, const AllocationAttributes& attr) {
   // No budget (or one the device's own limit already enforces): the path below, unchanged, at the cost of this load.
   const int64_t budget = enforced_budget_.load(std::memory_order_relaxed);
   if (budget > 0) return AllocateWithinBudget(alignment, num_bytes, attr, budget);
@@ -510,6 +581,11 @@ void CapuchinAllocator::DeallocateRaw(void* ptr) {
   if (trace_owners_) {
     std::lock_guard<std::mutex> lock(owners_mu_);
     owners_.erase(reinterpret_cast<uint64_t>(ptr));
+  }
+  void* region = nullptr;
+  if (layout_.Free(ptr, &region)) {
+    if (region != nullptr) base_->DeallocateRaw(region);
+    return;
   }
   Owner(ptr)->DeallocateRaw(ptr);
 }

@@ -26,6 +26,7 @@
 
 #include "absl/status/status.h"
 #include "host_store.h"
+#include "step_layout.h"
 #include "tensorflow/core/framework/allocator.h"
 #include "xla/tsl/framework/bfc_allocator.h"
 
@@ -81,6 +82,16 @@ class CapuchinAllocator : public Allocator, private DeviceMover {
   // The simulated device's largest free chunk now, in bytes (-1 when the device is not the simulated one).
   int64_t LargestFreeChunk();
 
+  // The planned layout of guided steps (step_layout.h), on the simulated device only: the runtime begins and ends
+  // each guided step of a function `id`; the step's allocations of more than 64 KiB are recorded, and from the
+  // second step of the same function on they go where the layout says in one region of the device, allocated at
+  // the step's beginning (within the budget) and given back when the step's allocations in it are gone.
+  void BeginLayoutStep(int64_t id);
+  void EndLayoutStep(bool ok);
+  void ResetLayout() { layout_.Reset(); }
+  StepLayout::Stats LayoutStats() { return layout_.stats(); }
+  std::vector<StepLayout::RecordedAllocation> LayoutRecord() { return layout_.LastRecord(); }
+
   // The small-tensor pool's statistics (nullopt without a pool).
   std::optional<AllocatorStats> SmallPoolStats() const;
 
@@ -106,10 +117,18 @@ class CapuchinAllocator : public Allocator, private DeviceMover {
   void DeallocateRaw(void* ptr) override;
   bool TracksAllocationSizes() const override { return base_->TracksAllocationSizes(); }
   bool AllocatesOpaqueHandle() const override { return base_->AllocatesOpaqueHandle(); }
-  size_t RequestedSize(const void* ptr) const override { return Owner(ptr)->RequestedSize(ptr); }
-  size_t AllocatedSize(const void* ptr) const override { return Owner(ptr)->AllocatedSize(ptr); }
-  int64_t AllocationId(const void* ptr) const override { return Owner(ptr)->AllocationId(ptr); }
-  size_t AllocatedSizeSlow(const void* ptr) const override { return Owner(ptr)->AllocatedSizeSlow(ptr); }
+  size_t RequestedSize(const void* ptr) const override {
+    return layout_.InRegion(ptr) ? layout_.SizeOf(ptr) : Owner(ptr)->RequestedSize(ptr);
+  }
+  size_t AllocatedSize(const void* ptr) const override {
+    return layout_.InRegion(ptr) ? layout_.SizeOf(ptr) : Owner(ptr)->AllocatedSize(ptr);
+  }
+  int64_t AllocationId(const void* ptr) const override {
+    return layout_.InRegion(ptr) ? 0 : Owner(ptr)->AllocationId(ptr);
+  }
+  size_t AllocatedSizeSlow(const void* ptr) const override {
+    return layout_.InRegion(ptr) ? layout_.SizeOf(ptr) : Owner(ptr)->AllocatedSizeSlow(ptr);
+  }
   std::optional<AllocatorStats> GetStats() override { return base_->GetStats(); }
   bool ClearStats() override { return base_->ClearStats(); }
   void SetSafeFrontier(uint64_t count) override { base_->SetSafeFrontier(count); }
@@ -136,6 +155,16 @@ class CapuchinAllocator : public Allocator, private DeviceMover {
   std::vector<void*> reserved_;
   uint64_t window_begin_ = 0, window_end_ = 0;
 
+  // AllocateRaw once the planned layout had no place for the allocation: the device, as without a layout.
+  void* AllocateOnDevice(size_t alignment, size_t num_bytes, const AllocationAttributes& attr);
+  // A planned allocation whose place in the region is taken and which no gap of the region holds, in passive mode:
+  // first the device without evicting anything, then the cheapest run of the region evicted, as passive mode
+  // evicts on the device. nullptr when neither works (the device's usual path follows).
+  void* PlannedElsewhere(size_t alignment, size_t num_bytes, int64_t ticket);
+  // The smallest gap of the region for the recorded allocation `ticket`, evicting the cheapest run of the region
+  // (HostStore::EvictFor on the region's map) while none holds it; nullptr if that fails. `held`: `evict_mu_` is
+  // already held exclusively (else it is taken).
+  void* InRegionEvicting(size_t num_bytes, int64_t ticket, std::unique_lock<std::shared_mutex>* held = nullptr);
   // AllocateRaw while a budget (`budget` bytes, below the device's limit) is set.
   void* AllocateWithinBudget(size_t alignment, size_t num_bytes, const AllocationAttributes& attr, int64_t budget);
   // Calls `allocate` if `bytes_added` more bytes in use keep the device within `budget`, counting what the
@@ -170,6 +199,7 @@ class CapuchinAllocator : public Allocator, private DeviceMover {
   std::mutex refusal_mu_;
   Refusal last_refusal_;
   const bool trace_owners_;
+  mutable StepLayout layout_{kSmallPoolMaxAllocationBytes};
   std::mutex owners_mu_;
   std::unordered_map<uint64_t, std::pair<std::string, int64_t>> owners_;  // op, HostStore::TraceSeq()
 };

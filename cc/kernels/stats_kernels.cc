@@ -92,6 +92,74 @@ class SetMemoryBudgetOp : public OpKernel {
   }
 };
 
+class LayoutStepOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, CheckScalarInput(ctx, 0, "phase"));
+    OP_REQUIRES_OK(ctx, CheckScalarInput(ctx, 1, "id"));
+    const int64_t phase = ctx->input(0).scalar<int64_t>()();
+    const int64_t id = ctx->input(1).scalar<int64_t>()();
+    OP_REQUIRES(ctx, phase >= 0 && phase <= 3,
+                errors::InvalidArgument("Capuchin>LayoutStep: phase is 0 (begin), 1 (end), 2 (end after a failure) "
+                                        "or 3 (reset), got ",
+                                        phase));
+    CapuchinAllocator* allocator = CapuchinAllocator::Installed();
+    if (allocator == nullptr) return;
+    switch (phase) {
+      case 0:
+        allocator->BeginLayoutStep(id);
+        break;
+      case 1:
+      case 2:
+        allocator->EndLayoutStep(phase == 1);
+        break;
+      default:
+        allocator->ResetLayout();
+    }
+  }
+};
+
+class LayoutStatsOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    StepLayout::Stats s;
+    CapuchinAllocator* allocator = CapuchinAllocator::Installed();
+    if (allocator != nullptr) s = allocator->LayoutStats();
+    const int64_t values[] = {s.steps,     s.region_steps, s.layouts, s.placed,     s.misses,
+                              s.fallbacks, s.region_bytes, s.planned, s.step_misses};
+    Tensor* out = nullptr;
+    constexpr int64_t n = sizeof(values) / sizeof(values[0]);
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &out));
+    for (int64_t i = 0; i < n; ++i) out->vec<int64_t>()(i) = values[i];
+  }
+};
+
+class LayoutRecordOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    std::vector<StepLayout::RecordedAllocation> record;
+    CapuchinAllocator* allocator = CapuchinAllocator::Installed();
+    if (allocator != nullptr) record = allocator->LayoutRecord();
+    const int64_t n = static_cast<int64_t>(record.size());
+    Tensor* keys = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &keys));
+    Tensor* values[3] = {nullptr, nullptr, nullptr};
+    for (int i = 0; i < 3; ++i) OP_REQUIRES_OK(ctx, ctx->allocate_output(1 + i, TensorShape({n}), &values[i]));
+    for (int64_t j = 0; j < n; ++j) {
+      keys->vec<tstring>()(j) = record[j].key;
+      values[0]->vec<int64_t>()(j) = record[j].bytes;
+      values[1]->vec<int64_t>()(j) = record[j].alloc_t;
+      values[2]->vec<int64_t>()(j) = record[j].free_t;
+    }
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("Capuchin>LayoutRecord").Device(DEVICE_CPU), LayoutRecordOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>LayoutStep").Device(DEVICE_CPU), LayoutStepOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>LayoutStats").Device(DEVICE_CPU), LayoutStatsOp);
 REGISTER_KERNEL_BUILDER(Name("Capuchin>AllocatorStats").Device(DEVICE_CPU), AllocatorStatsOp);
 REGISTER_KERNEL_BUILDER(Name("Capuchin>SetMemoryBudget").Device(DEVICE_CPU), SetMemoryBudgetOp);
 REGISTER_KERNEL_BUILDER(Name("Capuchin>SetSmallPool").Device(DEVICE_CPU), SetSmallPoolOp);

@@ -258,6 +258,57 @@ only device whose bytes in use the wrapper can read).
 bytes: a scalar, >= 0.
 )doc");
 
+REGISTER_OP("Capuchin>LayoutStep")
+    .Input("phase: int64")
+    .Input("id: int64")
+    .SetIsStateful()
+    .SetShapeFn(ScalarInputsNoOutputs)
+    .Doc(R"doc(
+Begins or ends a step under the device allocator wrapper's planned layout (cc/kernels/step_layout.h), on the simulated
+device; elsewhere it does nothing. Phase 0 begins a step of the function `id`: its allocations of more than 64 KiB are
+recorded and, once a step of the same function was recorded, placed in one region of the device where the layout
+says (the region is allocated now, within the memory budget). Phase 1 ends the step (laying out its allocations when
+it ran without a layout or not as laid out), phase 2 ends a step that failed (the layout is dropped), phase 3 drops
+the layout.
+
+phase: a scalar, 0 to 3.
+id: a scalar naming the function the step runs.
+)doc");
+
+REGISTER_OP("Capuchin>LayoutStats")
+    .Output("stats: int64")
+    .Attr(
+        "fields: list(string) = ['steps', 'region_steps', 'layouts', 'placed', 'misses', 'fallbacks', "
+        "'region_bytes', 'planned', 'step_misses']")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The planned layout's counters since the process started, one entry per name in `fields`: steps begun, steps that ran
+with a region, layouts worked out, allocations placed where the layout said, allocations placed elsewhere in the
+region (misses), laid-out allocations the region did not take (fallbacks: the device's usual path), the current
+layout's region size in bytes, how many allocations it places, and the last step's misses and fallbacks.
+
+fields: the names of the entries, in order. Leave it at its default.
+)doc");
+
+REGISTER_OP("Capuchin>LayoutRecord")
+    .Output("keys: string")
+    .Output("bytes: int64")
+    .Output("allocated: int64")
+    .Output("freed: int64")
+    .SetIsStateful()
+    .SetShapeFn(VectorOutputs)
+    .Doc(R"doc(
+The allocations of more than 64 KiB the last step under Capuchin>LayoutStep recorded, in allocation order: the key
+("op#bytes#n": the op that asked, the size rounded to 256 bytes, how many allocations of that op and size came before
+in the step), the rounded size, and when the allocation was made and freed counted in the step's allocation and free
+events (freed -1: live at the step's end; -2: the allocation failed). What the step really kept live, allocation by
+allocation.
+)doc");
+
 REGISTER_OP("Capuchin>DrainStalls")
     .Output("starts_ns: int64")
     .Output("ends_ns: int64")

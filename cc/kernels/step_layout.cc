@@ -1,0 +1,320 @@
+#include "step_layout.h"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace tensorflow {
+namespace capuchin {
+namespace {
+
+constexpr int64_t kGranule = 256;  // BFC's rounding, and the region's alignment of every offset
+// A step with more recorded allocations than this is not laid out (the packing is quadratic in them).
+constexpr size_t kMaxLaidOut = 50000;
+
+int64_t Rounded(int64_t bytes) { return (bytes + kGranule - 1) / kGranule * kGranule; }
+
+}  // namespace
+
+int64_t StepLayout::Begin(int64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.steps++;
+  stats_.step_misses = 0;
+  generation_++;
+  if (id != layout_id_) {
+    offsets_.clear();
+    layout_bytes_ = 0;
+    layout_id_ = id;
+    stats_.region_bytes = 0;
+    stats_.planned = 0;
+  }
+  step_id_ = id;
+  clock_ = 0;
+  seen_.clear();
+  records_.clear();
+  recorded_ptr_.clear();
+  ticket_planned_.clear();
+  active_.store(true, std::memory_order_release);
+  if (layout_bytes_ <= 0) return 0;
+  if (region_ != nullptr) {
+    // An earlier step's region, something in it still live: this step uses it if it is large enough.
+    if (region_bytes_ >= layout_bytes_) stats_.region_steps++;
+    return 0;
+  }
+  return layout_bytes_;
+}
+
+void StepLayout::Attach(void* region, int64_t bytes) {
+  if (region == nullptr) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  region_ = region;
+  region_bytes_ = bytes;
+  live_.clear();
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(region);
+  region_end_.store(begin + static_cast<uintptr_t>(bytes), std::memory_order_release);
+  region_begin_.store(begin, std::memory_order_release);
+  stats_.region_steps++;
+}
+
+std::string StepLayout::KeyOf(std::string_view op, int64_t bytes) {
+  std::string key(op);
+  key += '#';
+  key += std::to_string(bytes);
+  const int64_t nth = seen_[key]++;
+  key += '#';
+  key += std::to_string(nth);
+  return key;
+}
+
+void* StepLayout::PlaceAt(int64_t offset, int64_t bytes) {
+  if (region_ == nullptr || offset < 0 || offset + bytes > region_bytes_) return nullptr;
+  // Live allocations are disjoint and ordered: the last one starting before our end is the only one that can reach
+  // into [offset, offset + bytes).
+  auto it = live_.lower_bound(offset + bytes);
+  if (it != live_.begin()) {
+    --it;
+    if (it->first + it->second.first > offset) return nullptr;
+  }
+  return static_cast<char*>(region_) + offset;
+}
+
+int64_t StepLayout::BestGap(int64_t bytes) const {
+  if (region_ == nullptr) return -1;
+  int64_t best = -1, best_size = std::numeric_limits<int64_t>::max(), prev = 0;
+  auto consider = [&](int64_t begin, int64_t end) {
+    if (end - begin >= bytes && end - begin < best_size) {
+      best = begin;
+      best_size = end - begin;
+    }
+  };
+  for (const auto& kv : live_) {
+    consider(prev, kv.first);
+    prev = kv.first + kv.second.first;
+  }
+  consider(prev, region_bytes_);
+  return best;
+}
+
+void* StepLayout::Take(int64_t offset, int64_t bytes, int64_t requested, int64_t index) {
+  void* p = PlaceAt(offset, bytes);
+  if (p == nullptr) return nullptr;
+  live_[offset] = {bytes, requested};
+  if (index >= 0) recorded_ptr_[reinterpret_cast<uintptr_t>(p)] = index;
+  return p;
+}
+
+void* StepLayout::Allocate(std::string_view op, int64_t bytes, int64_t* ticket, bool* planned) {
+  *ticket = -1;
+  *planned = false;
+  if (bytes <= min_bytes_ || !active()) return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!active()) return nullptr;
+  const int64_t rounded = Rounded(bytes);
+  const int64_t index = static_cast<int64_t>(records_.size());
+  Record r;
+  r.key = KeyOf(op, rounded);
+  r.bytes = rounded;
+  r.requested = bytes;
+  r.alloc_t = clock_++;
+  auto it = offsets_.find(r.key);
+  *planned = it != offsets_.end();
+  records_.push_back(std::move(r));
+  ticket_planned_.push_back(*planned);
+  *ticket = (generation_ << 32) | index;
+  if (!*planned || region_ == nullptr) return nullptr;
+  void* p = Take(it->second, rounded, bytes, index);
+  if (p != nullptr) {
+    stats_.placed++;
+    return p;
+  }
+  // Its place is taken (an allocation lives longer or came earlier than in the step the layout was made from): the
+  // smallest free gap of the region that holds it.
+  const int64_t gap = BestGap(rounded);
+  p = gap < 0 ? nullptr : Take(gap, rounded, bytes, index);
+  if (p != nullptr) {
+    stats_.misses++;
+    stats_.step_misses++;
+  }
+  return p;
+}
+
+void* StepLayout::Retry(int64_t ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t index = ticket & 0xffffffff;
+  if (ticket < 0 || (ticket >> 32) != generation_ || index >= static_cast<int64_t>(records_.size())) return nullptr;
+  const int64_t gap = BestGap(records_[index].bytes);
+  void* p = gap < 0 ? nullptr : Take(gap, records_[index].bytes, records_[index].requested, index);
+  if (p != nullptr) {
+    stats_.misses++;
+    stats_.step_misses++;
+  }
+  return p;
+}
+
+void StepLayout::Bind(int64_t ticket, void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t index = ticket & 0xffffffff;
+  if (ticket < 0 || (ticket >> 32) != generation_ || index >= static_cast<int64_t>(records_.size())) return;
+  if (ticket_planned_[index]) {
+    stats_.fallbacks++;
+    stats_.step_misses++;
+  }
+  if (ptr == nullptr) {
+    records_[index].free_t = kFailed;  // never allocated: not laid out
+    return;
+  }
+  // Its lifetime starts now, not when it was asked for: passive mode may have evicted tensors for it meanwhile, and
+  // those must not count as live beside it.
+  records_[index].alloc_t = clock_++;
+  recorded_ptr_[reinterpret_cast<uintptr_t>(ptr)] = index;
+}
+
+bool StepLayout::Free(void* ptr, void** release) {
+  *release = nullptr;
+  const bool in_region = InRegion(ptr);
+  if (!in_region && !active()) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+  auto r = recorded_ptr_.find(p);
+  if (r != recorded_ptr_.end()) {
+    records_[r->second].free_t = clock_++;
+    recorded_ptr_.erase(r);
+  }
+  if (region_ == nullptr) return false;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(region_);
+  if (p < begin || p >= begin + static_cast<uintptr_t>(region_bytes_)) return false;
+  live_.erase(static_cast<int64_t>(p - begin));
+  *release = MaybeRelease();
+  return true;
+}
+
+size_t StepLayout::SizeOf(const void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (region_ == nullptr) return 0;
+  auto it = live_.find(static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr) - reinterpret_cast<uintptr_t>(region_)));
+  return it == live_.end() ? 0 : static_cast<size_t>(it->second.second);
+}
+
+void* StepLayout::MaybeRelease() {
+  if (active() || region_ == nullptr || !live_.empty()) return nullptr;
+  void* region = region_;
+  region_begin_.store(0, std::memory_order_release);
+  region_end_.store(0, std::memory_order_release);
+  region_ = nullptr;
+  region_bytes_ = 0;
+  return region;
+}
+
+void* StepLayout::End(bool ok) {
+  std::lock_guard<std::mutex> lock(mu_);
+  active_.store(false, std::memory_order_release);
+  if (!ok) {
+    // A step that failed (out of memory) says nothing reliable of the lifetimes: the next step records afresh.
+    offsets_.clear();
+    layout_bytes_ = 0;
+    stats_.region_bytes = 0;
+    stats_.planned = 0;
+  } else if (step_id_ == layout_id_ && (layout_bytes_ == 0 || stats_.step_misses > 0)) {
+    Layout();
+  }
+  recorded_ptr_.clear();
+  last_records_ = std::move(records_);
+  records_.clear();
+  return MaybeRelease();
+}
+
+std::vector<StepLayout::RecordedAllocation> StepLayout::LastRecord() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<RecordedAllocation> out;
+  out.reserve(last_records_.size());
+  for (const Record& r : last_records_) out.push_back(RecordedAllocation{r.key, r.bytes, r.alloc_t, r.free_t});
+  std::stable_sort(out.begin(), out.end(),
+                   [](const RecordedAllocation& a, const RecordedAllocation& b) { return a.alloc_t < b.alloc_t; });
+  return out;
+}
+
+void StepLayout::Layout() {
+  struct Item {
+    const Record* r;
+    int64_t offset;
+  };
+  std::vector<Item> items;
+  for (const Record& r : records_) {
+    if (r.free_t >= 0) items.push_back(Item{&r, 0});
+  }
+  offsets_.clear();
+  layout_bytes_ = 0;
+  stats_.layouts++;
+  if (items.empty() || items.size() > kMaxLaidOut) {
+    stats_.planned = 0;
+    stats_.region_bytes = 0;
+    return;
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.r->bytes != b.r->bytes ? a.r->bytes > b.r->bytes : a.r->alloc_t < b.r->alloc_t;
+  });
+  std::vector<const Item*> placed;  // in offset order
+  std::vector<std::pair<int64_t, int64_t>> overlapping;
+  int64_t top = 0;
+  for (Item& item : items) {
+    const Record& r = *item.r;
+    overlapping.clear();
+    for (const Item* p : placed) {
+      if (p->r->alloc_t < r.free_t && r.alloc_t < p->r->free_t) overlapping.push_back({p->offset, p->r->bytes});
+    }
+    // Best fit: the smallest gap between the allocations live at the same time that holds it, else above them all.
+    int64_t best = -1, best_size = std::numeric_limits<int64_t>::max(), prev = 0;
+    for (const auto& o : overlapping) {
+      const int64_t gap = o.first - prev;
+      if (gap >= r.bytes && gap < best_size) {
+        best = prev;
+        best_size = gap;
+      }
+      prev = std::max(prev, o.first + o.second);
+    }
+    item.offset = best >= 0 ? best : prev;
+    auto at = std::upper_bound(placed.begin(), placed.end(), item.offset,
+                               [](int64_t offset, const Item* p) { return offset < p->offset; });
+    placed.insert(at, &item);
+    offsets_[r.key] = item.offset;
+    top = std::max(top, item.offset + r.bytes);
+  }
+  layout_bytes_ = top;
+  stats_.planned = static_cast<int64_t>(items.size());
+  stats_.region_bytes = top;
+}
+
+void StepLayout::Reset() {
+  std::lock_guard<std::mutex> lock(mu_);
+  offsets_.clear();
+  layout_bytes_ = 0;
+  layout_id_ = -1;
+  stats_.region_bytes = 0;
+  stats_.planned = 0;
+}
+
+std::vector<ChunkSpan> StepLayout::ChunkMap() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<ChunkSpan> chunks;
+  if (region_ == nullptr) return chunks;
+  const uint64_t base = reinterpret_cast<uint64_t>(region_);
+  int64_t prev = 0;
+  for (const auto& kv : live_) {
+    if (kv.first > prev) chunks.push_back(ChunkSpan{base + prev, kv.first - prev, false, "", 0});
+    chunks.push_back(ChunkSpan{base + kv.first, kv.second.first, true, "", 0});
+    prev = kv.first + kv.second.first;
+  }
+  if (region_bytes_ > prev) chunks.push_back(ChunkSpan{base + prev, region_bytes_ - prev, false, "", 0});
+  return chunks;
+}
+
+StepLayout::Stats StepLayout::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+}  // namespace capuchin
+}  // namespace tensorflow

@@ -1,0 +1,150 @@
+// A planned layout of a guided step's large allocations: where in one region of the device each of them goes, worked
+// out from the allocations and frees of an earlier step of the same function (docs/decisions.md, "Planned layout").
+//
+// Why: a guided step runs the same function in the same pinned order every time, so its allocations repeat, with the
+// same sizes from the same ops in the same order. Left to BFC's best fit, they split the free memory between
+// long-lived activations, and at a device of the budget's size an allocation can find enough bytes free but no run
+// large enough (seen: the transformer's 20 MiB logits gradient with more than 20 MiB free in runs of at most 14-17
+// MiB); passive mode then evicts tensors over the link and brings them back on demand, most of a guided step's overhead
+// on the p100 link. Knowing every allocation's lifetime beforehand, the placement can be solved offline, as XLA's and
+// TensorFlow Lite's memory planners solve theirs: no two allocations that are live at once share bytes, and the region
+// holds no more than the most the step keeps live at once plus what the packing leaves.
+//
+// How:
+//   - Begin(id) starts a step of function `id`; every allocation of more than `min_bytes` until End() is recorded
+//     under a key (the op that asks, its size, and how many allocations of that op and size came before in the step)
+//     with its lifetime in allocation and free events.
+//   - After a step that ran without a layout for `id`, or whose allocations did not all go where the layout said
+//     (`misses`), End(ok=true) lays out the allocations the step freed before it ended (what lives on, an output or a
+//     new variable buffer, stays with the device allocator): largest first, each at the lowest offset of the smallest
+//     gap left by those already placed that are live at the same time (greedy by size, best fit).
+//   - A later step of `id` asks Begin for a region of the layout's size, which the allocator wrapper allocates from
+//     the device and gives to Attach. An allocation whose key has an offset goes there when nothing live in the region
+//     overlaps it; else into the smallest free gap of the region that holds it (a miss); else the wrapper's usual path.
+//   - The region is given back when the step has ended and nothing in it is live any more.
+//
+// Nothing is ever placed over a live allocation: a layout only chooses among free places. Every method is thread-safe.
+
+#ifndef CAPUCHIN_TF_CC_KERNELS_STEP_LAYOUT_H_
+#define CAPUCHIN_TF_CC_KERNELS_STEP_LAYOUT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "store_entry.h"
+
+namespace tensorflow {
+namespace capuchin {
+
+class StepLayout {
+ public:
+  // Every allocation of more than `min_bytes` is recorded and may be placed.
+  explicit StepLayout(int64_t min_bytes) : min_bytes_(min_bytes) {}
+
+  // Counters since the process started (LayoutStats reads them; the order is that op's output order).
+  struct Stats {
+    int64_t steps = 0;         // steps begun
+    int64_t region_steps = 0;  // steps that ran with a region
+    int64_t layouts = 0;       // layouts worked out
+    int64_t placed = 0;        // allocations placed where the layout said
+    int64_t misses = 0;        // allocations with an offset that went into another gap of the region
+    int64_t fallbacks = 0;     // recorded allocations the region did not take (the device allocator's usual path)
+    int64_t region_bytes = 0;  // the current layout's region size (0: none)
+    int64_t planned = 0;       // allocations the current layout places
+    int64_t step_misses = 0;   // misses + fallbacks of allocations with an offset, in the last step
+  };
+
+  int64_t min_bytes() const { return min_bytes_; }
+  // Allocations are recorded (between Begin and End).
+  bool active() const { return active_.load(std::memory_order_acquire); }
+  // `ptr` lies in the region (lock-free).
+  bool InRegion(const void* ptr) const {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+    return p >= region_begin_.load(std::memory_order_acquire) && p < region_end_.load(std::memory_order_acquire);
+  }
+
+  // Starts a step of function `id` (a different id than the layout's drops the layout). Returns the size of the
+  // region the step's layout needs, 0 when there is none or the region of an earlier step, still in use, holds it.
+  int64_t Begin(int64_t id);
+  // The region Begin asked for (nullptr: the device had no room; the step then runs on the device allocator alone).
+  void Attach(void* region, int64_t bytes);
+  // An allocation of `bytes` by `op`: its place in the region, or nullptr. `*ticket` >= 0 when the allocation is
+  // recorded; pass it to Bind with the pointer the device allocator gave instead. `*planned`: the layout has an
+  // offset for it (a miss or a fallback then counts).
+  void* Allocate(std::string_view op, int64_t bytes, int64_t* ticket, bool* planned);
+  // Tries again after the wrapper evicted tensors from the region: the smallest gap that holds the allocation.
+  void* Retry(int64_t ticket);
+  void Bind(int64_t ticket, void* ptr);
+  // A deallocation: true when `ptr` was in the region (the device allocator must not see it); `*release` is then the
+  // region itself when it is no longer needed (the wrapper gives it back to the device).
+  bool Free(void* ptr, void** release);
+  // The requested size of an allocation in the region (0 if none).
+  size_t SizeOf(const void* ptr);
+  // Ends the step (`ok`: it completed). Returns the region to give back to the device, or nullptr.
+  void* End(bool ok);
+  // Drops the layout (the next step records).
+  void Reset();
+  // The region's map in address order (free gaps and live allocations), as HostStore::EvictFor reads BFC's.
+  std::vector<ChunkSpan> ChunkMap();
+  Stats stats();
+
+  // The last ended step's recorded allocations, in allocation order: key (op, size and count: "op#bytes#n"), rounded
+  // bytes, and when they were allocated and freed in the step's allocation and free events (free -1: live at the
+  // step's end, -2: the allocation failed).
+  struct RecordedAllocation {
+    std::string key;
+    int64_t bytes, alloc_t, free_t;
+  };
+  std::vector<RecordedAllocation> LastRecord();
+
+ private:
+  struct Record {
+    std::string key;
+    int64_t bytes = 0;      // rounded to BFC's 256 bytes
+    int64_t requested = 0;  // as asked for
+    int64_t alloc_t = 0;
+    int64_t free_t = -1;  // -1: live at the step's end; kFailed: the allocation failed
+  };
+  static constexpr int64_t kFailed = -2;
+  // mu_ held.
+  std::string KeyOf(std::string_view op, int64_t bytes);
+  void* PlaceAt(int64_t offset, int64_t bytes);  // nullptr if anything live overlaps
+  int64_t BestGap(int64_t bytes) const;          // -1 if none
+  void* Take(int64_t offset, int64_t bytes, int64_t requested, int64_t index);
+  void Layout();
+  void* MaybeRelease();
+
+  const int64_t min_bytes_;
+  std::atomic<bool> active_{false};
+  std::atomic<uintptr_t> region_begin_{0}, region_end_{0};
+  std::mutex mu_;
+  // The layout: for one function, the offset of each key, the region's size.
+  int64_t layout_id_ = -1;
+  std::unordered_map<std::string, int64_t> offsets_;
+  int64_t layout_bytes_ = 0;
+  // The step being recorded.
+  int64_t step_id_ = -1;
+  int64_t generation_ = 0;  // steps begun: a ticket of an earlier step is stale
+  int64_t clock_ = 0;
+  std::unordered_map<std::string, int64_t> seen_;        // op and size -> allocations so far this step
+  std::vector<Record> records_;                          // this step's recorded allocations
+  std::vector<Record> last_records_;                     // the last ended step's
+  std::unordered_map<uintptr_t, int64_t> recorded_ptr_;  // live recorded allocation -> its record
+  std::vector<bool> ticket_planned_;                     // per record: the layout had an offset for it
+  // The region: its live allocations, offset -> (bytes, requested bytes).
+  void* region_ = nullptr;
+  int64_t region_bytes_ = 0;
+  std::map<int64_t, std::pair<int64_t, int64_t>> live_;
+  Stats stats_;
+};
+
+}  // namespace capuchin
+}  // namespace tensorflow
+
+#endif  // CAPUCHIN_TF_CC_KERNELS_STEP_LAYOUT_H_

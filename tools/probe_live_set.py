@@ -1,0 +1,119 @@
+"""What a guided step really keeps live, against what its plan predicts: the plan made for a budget, run with the
+budget lifted after the measured step, so that nothing is evicted on demand and the device's peak is the plan's own
+working set; then the step's allocations of more than 64 KiB as the allocator recorded them (the planned layout's
+record, `capuchin_tf.ops.layout_record`), and the ones live at once at their most, each with what the plan decided
+for the tensor its op made.
+
+    PYTHONPATH=. TF_NUM_INTEROP_THREADS=1 TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=400 TF_ENABLE_ONEDNN_OPTS=0 \
+        .venv/bin/python tools/probe_live_set.py --model resnet50 --batch 32 --budget-mb 207 --policy capuchin \
+        --link p100 --json out.json
+
+The simulated device (TF_CPU_BFC_MEM_LIMIT_IN_MB) must be larger than the plan's real peak (twice the budget does).
+`--keep-budget` leaves the budget in place (the steps then evict on demand where the working set passes it). Prints
+the predicted and measured peaks per step and the live set at the record's peak; writes them as JSON, stamped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+MiB = 1 << 20
+
+
+def live_at_peak(record: dict) -> tuple[int, list[tuple[str, int, int, int]]]:
+    """The most bytes the recorded allocations kept live at once, and those live then (key, bytes, allocated, freed;
+    largest first). An allocation live at the step's end counts until then."""
+    end = int(max(list(record["allocated"]) + list(record["freed"]) + [0])) + 1
+    spans = [(str(k), int(b), int(a), int(f) if f >= 0 else end)
+             for k, b, a, f in zip(record["keys"], record["bytes"], record["allocated"], record["freed"]) if f != -2]
+    events = sorted([(a, 1, b) for _, b, a, _ in spans] + [(f, 0, -b) for _, b, _, f in spans])
+    level = best = 0
+    at = 0
+    for t, _, delta in events:
+        level += delta
+        if level > best:
+            best, at = level, t
+    live = sorted((s for s in spans if s[2] <= at < s[3]), key=lambda s: -s[1])
+    return best, live
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--budget-mb", type=float, required=True)
+    p.add_argument("--policy", default="capuchin")
+    p.add_argument("--link", default="p100")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--keep-budget", action="store_true")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--json", required=True)
+    a = p.parse_args()
+
+    import tensorflow as tf
+
+    import capuchin_tf
+    from capuchin_tf.cli import models
+    from capuchin_tf.cli.common import git_commit, machine
+    from capuchin_tf.core.plan import SwapDecision
+    from capuchin_tf.tf.simulated_device import DEVICE
+
+    setup = models.build(a.model, a.batch)
+    budget = int(a.budget_mb * MiB)
+    step = capuchin_tf.function(setup.train_step, memory_budget=budget, policy=a.policy, link=a.link, feedback=False,
+                                planned_layout=True)
+    step(*setup.inputs)  # the measured step, under the budget: the plan is made for it
+    if not a.keep_budget:
+        step._budget = contextlib.nullcontext  # the guided steps run the same plan with the device's own limit
+    for _ in range(a.steps - 1):
+        step(*setup.inputs)
+    (report,) = step.report().values()
+    (state,) = step.states().values()
+    plan = state.plan
+    record = capuchin_tf.ops.layout_record()
+    top, live = live_at_peak(record)
+    decided = {}
+    for d in plan.decisions:
+        decided[d.tensor.split(":")[0]] = "swapped" if isinstance(d, SwapDecision) else "recomputed"
+    rows = []
+    for key, nbytes, allocated, freed in live:
+        op = key.rsplit("#", 2)[0]
+        base = op.split("/capuchin_")[0]
+        what = decided.get(op) or decided.get(base) or ("replay" if op.startswith("capuchin/recompute/") else
+                                                        "swap-in" if op.startswith("capuchin/") else "")
+        rows.append(dict(key=key, mib=round(nbytes / MiB, 3), allocated=allocated, freed=freed, plan=what))
+    persistent = state.start_bytes
+    steps = [{k: s[k] for k in ("phase", "seconds", "peak_bytes", "passive_evicted_bytes", "layout_bytes",
+                                "layout_misses")} for s in report["steps"]]
+    print(f"plan: {plan.policy}, {len(plan.decisions)} decisions, predicted peak "
+          f"{plan.predicted_peak_bytes / MiB:.1f} MiB at {plan.predicted_peak_op}; budget {budget / MiB:.1f} MiB; "
+          f"persistent {persistent / MiB:.1f} MiB")
+    for s in steps:
+        print(f"  {s['phase']:9s} {s['seconds']:7.3f} s  peak {s['peak_bytes'] / MiB:6.1f} MiB  evicted on demand "
+              f"{s['passive_evicted_bytes'] / MiB:5.1f} MiB  region {s['layout_bytes'] / MiB:5.1f} MiB")
+    print(f"last step: {len(record['keys'])} allocations of more than 64 KiB recorded, at most {top / MiB:.1f} MiB "
+          f"live at once ({len(live)} allocations):")
+    for r in rows[:a.top]:
+        print(f"  {r['mib']:8.3f} MiB  {r['allocated']:5d}-{r['freed']:5d}  {r['plan']:10s}  {r['key']}")
+    result = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": a.model,
+              "batch": a.batch, "budget_bytes": budget, "policy": a.policy, "link": a.link,
+              "device_mb": int(os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", 0)), "keep_budget": a.keep_budget,
+              "persistent_bytes": persistent, "predicted_peak_bytes": plan.predicted_peak_bytes,
+              "predicted_peak_op": plan.predicted_peak_op, "device_peak_bytes": tf.config.experimental.get_memory_info(
+                  DEVICE)["peak"], "steps": steps, "recorded_live_max_bytes": top, "live_at_peak": rows,
+              "record": {k: [str(x) if k == "keys" else int(x) for x in v] for k, v in record.items()},
+              "decisions": [f"{'swap' if isinstance(d, SwapDecision) else 'recompute'} {d.tensor}"
+                            for d in plan.decisions],
+              "command": "tools/probe_live_set.py " + " ".join(sys.argv[1:])}
+    with open(a.json, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
