@@ -1,12 +1,13 @@
 """What a guided step really keeps live, against what its plan predicts: the plan made for a budget, run with the
 budget lifted after the measured step, so that nothing is evicted on demand and the device's peak is the plan's own
 working set; then the step's allocations of more than 64 KiB as the allocator recorded them (the planned layout's
-record, `capuchin_tf.ops.layout_record`), and the ones live at once at their most, each with what the plan decided
-for the tensor its op made.
+record, `capuchin_tf.ops.layout_record`; recorded only, placed by BFC as without a layout unless `--place`), and the
+ones live at once at their most, each with what the plan decided for the tensor its op made; and when each swapped
+tensor's device buffer went, against the simulator's swap-out end.
 
-    PYTHONPATH=. TF_NUM_INTEROP_THREADS=1 TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=400 TF_ENABLE_ONEDNN_OPTS=0 \
-        .venv/bin/python tools/probe_live_set.py --model resnet50 --batch 32 --budget-mb 207 --policy capuchin \
-        --link p100 --json out.json
+    PYTHONPATH=. TF_NUM_INTEROP_THREADS=1 TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=400 \
+        TF_ENABLE_ONEDNN_OPTS=0 .venv/bin/python tools/probe_live_set.py --model resnet50 --batch 32 \
+        --budget-mb 207 --policy capuchin --link p100 --json out.json
 
 The simulated device (TF_CPU_BFC_MEM_LIMIT_IN_MB) must be larger than the plan's real peak (twice the budget does).
 `--keep-budget` leaves the budget in place (the steps then evict on demand where the working set passes it). Prints
@@ -51,6 +52,8 @@ def main() -> int:
     p.add_argument("--link", default="p100")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--keep-budget", action="store_true")
+    p.add_argument("--warm", action="store_true", help="one plain step before the managed step (warms the kernels)")
+    p.add_argument("--place", action="store_true", help="place by the planned layout (default: record only)")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--json", required=True)
     a = p.parse_args()
@@ -65,8 +68,13 @@ def main() -> int:
 
     setup = models.build(a.model, a.batch)
     budget = int(a.budget_mb * MiB)
+    if a.warm:
+        setup.train_step(*setup.inputs)
     step = capuchin_tf.function(setup.train_step, memory_budget=budget, policy=a.policy, link=a.link, feedback=False,
                                 planned_layout=True)
+    if not a.place:  # the steps' allocations are recorded, and BFC places them as it would without a layout
+        begin = capuchin_tf.ops.layout_begin
+        capuchin_tf.ops.layout_begin = lambda function_id: begin(function_id, record_only=True)
     step(*setup.inputs)  # the measured step, under the budget: the plan is made for it
     if not a.keep_budget:
         step._budget = contextlib.nullcontext  # the guided steps run the same plan with the device's own limit
@@ -87,6 +95,25 @@ def main() -> int:
         what = decided.get(op) or decided.get(base) or ("replay" if op.startswith("capuchin/recompute/") else
                                                         "swap-in" if op.startswith("capuchin/") else "")
         rows.append(dict(key=key, mib=round(nbytes / MiB, 3), allocated=allocated, freed=freed, plan=what))
+    # When each swapped tensor's device buffer went, against the simulator's swap-out end, both as fractions of
+    # their step (the trace's clock is not the guided step's).
+    from capuchin_tf.policy.simulator import simulate
+
+    sim = simulate(state.trace, plan)
+    seconds = report["steps"][-1]["seconds"]
+    first = {}
+    for key, freed_ns, allocated_ns in zip(record["keys"], record["freed_ns"], record["allocated_ns"]):
+        first.setdefault(key.rsplit("#", 2)[0], (int(allocated_ns), int(freed_ns)))
+    pos = {o.name: i for i, o in enumerate(state.trace.ops)}
+    swaps = []
+    for d in plan.decisions:
+        op = d.tensor.split(":")[0]
+        if isinstance(d, SwapDecision) and op in first and first[op][1] >= 0 and d.tensor in sim.swap_out_end:
+            swaps.append(dict(tensor=d.tensor, mib=round(d.nbytes / MiB, 3),
+                              predicted_free=round(sim.swap_out_end[d.tensor] / sim.step_time, 4),
+                              measured_free=round(first[op][1] / 1e9 / seconds, 4),
+                              predicted_made=round(sim.op_end[pos[d.evicted_access.op]] / sim.step_time, 4),
+                              measured_made=round(first[op][0] / 1e9 / seconds, 4)))
     persistent = state.start_bytes
     steps = [{k: s[k] for k in ("phase", "seconds", "peak_bytes", "passive_evicted_bytes", "layout_bytes",
                                 "layout_misses")} for s in report["steps"]]
@@ -96,6 +123,12 @@ def main() -> int:
     for s in steps:
         print(f"  {s['phase']:9s} {s['seconds']:7.3f} s  peak {s['peak_bytes'] / MiB:6.1f} MiB  evicted on demand "
               f"{s['passive_evicted_bytes'] / MiB:5.1f} MiB  region {s['layout_bytes'] / MiB:5.1f} MiB")
+    print(f"swapped tensors' device buffers freed, as a fraction of the step (simulated step {sim.step_time:.3f} s on "
+          f"the trace's clock, peak at {sim.peak_time / sim.step_time:.3f}; last step {seconds:.3f} s):")
+    for s in swaps:
+        print(f"  {s['mib']:6.2f} MiB  made {s['measured_made']:.3f}, evicted access predicted at "
+              f"{s['predicted_made']:.3f}, freed {s['measured_free']:.3f} (predicted {s['predicted_free']:.3f})  "
+              f"{s['tensor']}")
     print(f"last step: {len(record['keys'])} allocations of more than 64 KiB recorded, at most {top / MiB:.1f} MiB "
           f"live at once ({len(live)} allocations):")
     for r in rows[:a.top]:
@@ -105,7 +138,9 @@ def main() -> int:
               "device_mb": int(os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", 0)), "keep_budget": a.keep_budget,
               "persistent_bytes": persistent, "predicted_peak_bytes": plan.predicted_peak_bytes,
               "predicted_peak_op": plan.predicted_peak_op, "device_peak_bytes": tf.config.experimental.get_memory_info(
-                  DEVICE)["peak"], "steps": steps, "recorded_live_max_bytes": top, "live_at_peak": rows,
+                  DEVICE)["peak"], "steps": steps, "swaps": swaps, "simulated_step_s": sim.step_time,
+              "simulated_peak_fraction": sim.peak_time / sim.step_time, "recorded_live_max_bytes": top,
+              "live_at_peak": rows,
               "record": {k: [str(x) if k == "keys" else int(x) for x in v] for k, v in record.items()},
               "decisions": [f"{'swap' if isinstance(d, SwapDecision) else 'recompute'} {d.tensor}"
                             for d in plan.decisions],

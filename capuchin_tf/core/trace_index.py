@@ -157,6 +157,8 @@ class TraceIndex:
         self.trigger_ends: list[float] = [e for e, _ in self._trig]
         self.trigger_pos: list[int] = [i for _, i in self._trig]
         self._curve: list[tuple[float, int]] | None = None
+        self._curve_times: list[float] | None = None
+        self._curve_max: list[list[int]] | None = None  # sparse table: [j][i] = max of levels i .. i + 2**j - 1
 
     # ---- tensors -------------------------------------------------------------------------------------------------
     def is_tracked(self, tid: str) -> bool:
@@ -199,6 +201,25 @@ class TraceIndex:
 
     def replayed_peak(self) -> int:
         return max(b for _, b in self.replayed_curve())
+
+    def curve_max(self, t0: float, t1: float) -> int:
+        """The highest level of the ideal (replayed) curve over [t0, t1): the level in force at t0 and every level
+        reached before t1. O(1) after a sparse table built at the first call."""
+        curve = self.replayed_curve()
+        if self._curve_max is None:
+            self._curve_times = [t for t, _ in curve]
+            table = [[b for _, b in curve]]
+            span = 1
+            while 2 * span <= len(curve):
+                prev = table[-1]
+                table.append([max(prev[i], prev[i + span]) for i in range(len(prev) - span)])
+                span *= 2
+            self._curve_max = table
+        i = max(bisect.bisect_right(self._curve_times, t0) - 1, 0)
+        j = max(bisect.bisect_left(self._curve_times, t1) - 1, i)
+        k = (j - i + 1).bit_length() - 1
+        row = self._curve_max[k]
+        return max(row[i], row[j - (1 << k) + 1])
 
     def window(self, threshold_bytes: int) -> tuple[float, float] | None:
         """First to last time the ideal (replayed) curve is above `threshold_bytes`; None if it never is."""

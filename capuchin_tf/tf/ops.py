@@ -134,11 +134,12 @@ def set_small_pool(enabled: bool) -> None:
     _ops.capuchin_set_small_pool(tf.constant(bool(enabled)))
 
 
-def layout_begin(function_id: int) -> None:
+def layout_begin(function_id: int, record_only: bool = False) -> None:
     """Begins a guided step of the function `function_id` under the allocator's planned layout (on the simulated
     device; elsewhere nothing): its allocations of more than 64 KiB are recorded and, once a step of the same function
-    was recorded, placed in one region of the device where the layout made from it says (cc/kernels/step_layout.h)."""
-    _ops.capuchin_layout_step(tf.constant(0, tf.int64), tf.constant(int(function_id), tf.int64))
+    was recorded, placed in one region of the device where the layout made from it says (cc/kernels/step_layout.h).
+    `record_only`: recorded (`layout_record` after its end), not placed."""
+    _ops.capuchin_layout_step(tf.constant(4 if record_only else 0, tf.int64), tf.constant(int(function_id), tf.int64))
 
 
 def layout_end(ok: bool = True) -> None:
@@ -161,10 +162,12 @@ def layout_stats() -> dict[str, int]:
 def layout_record() -> dict[str, np.ndarray]:
     """The allocations of more than 64 KiB the last step under the planned layout recorded, in allocation order:
     `keys` ("op#bytes#n"), `bytes` (rounded to 256), `allocated` and `freed` (when, counted in the step's allocation and
-    free events; freed -1: live at the step's end, -2: the allocation failed)."""
-    keys, nbytes, allocated, freed = _ops.capuchin_layout_record()
+    free events; freed -1: live at the step's end, -2: the allocation failed), `allocated_ns` and `freed_ns` (the same
+    in nanoseconds since the step began; -1: not freed in the step)."""
+    keys, nbytes, allocated, freed, allocated_ns, freed_ns = _ops.capuchin_layout_record()
     return {"keys": np.array([k.decode() for k in keys.numpy()], dtype=object), "bytes": nbytes.numpy(),
-            "allocated": allocated.numpy(), "freed": freed.numpy()}
+            "allocated": allocated.numpy(), "freed": freed.numpy(), "allocated_ns": allocated_ns.numpy(),
+            "freed_ns": freed_ns.numpy()}
 
 
 def set_memory_budget(nbytes: int | None) -> None:

@@ -254,9 +254,9 @@ void* CapuchinAllocator::InRegionEvicting(size_t num_bytes, int64_t ticket, std:
   return layout_.Retry(ticket);
 }
 
-void CapuchinAllocator::BeginLayoutStep(int64_t id) {
+void CapuchinAllocator::BeginLayoutStep(int64_t id, bool record_only) {
   if (bfc_ == nullptr) return;
-  const int64_t want = layout_.Begin(id);
+  const int64_t want = layout_.Begin(id, record_only);
   if (want <= 0) return;
   // The region, within the budget like any allocation; none when the device has no run that large (the step then
   // runs as without a layout, and is recorded).

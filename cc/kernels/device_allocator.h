@@ -86,7 +86,7 @@ class CapuchinAllocator : public Allocator, private DeviceMover {
   // each guided step of a function `id`; the step's allocations of more than 64 KiB are recorded, and from the
   // second step of the same function on they go where the layout says in one region of the device, allocated at
   // the step's beginning (within the budget) and given back when the step's allocations in it are gone.
-  void BeginLayoutStep(int64_t id);
+  void BeginLayoutStep(int64_t id, bool record_only = false);
   void EndLayoutStep(bool ok);
   void ResetLayout() { layout_.Reset(); }
   StepLayout::Stats LayoutStats() { return layout_.stats(); }

@@ -100,15 +100,16 @@ class LayoutStepOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CheckScalarInput(ctx, 1, "id"));
     const int64_t phase = ctx->input(0).scalar<int64_t>()();
     const int64_t id = ctx->input(1).scalar<int64_t>()();
-    OP_REQUIRES(ctx, phase >= 0 && phase <= 3,
-                errors::InvalidArgument("Capuchin>LayoutStep: phase is 0 (begin), 1 (end), 2 (end after a failure) "
-                                        "or 3 (reset), got ",
+    OP_REQUIRES(ctx, phase >= 0 && phase <= 4,
+                errors::InvalidArgument("Capuchin>LayoutStep: phase is 0 (begin), 1 (end), 2 (end after a failure), "
+                                        "3 (reset) or 4 (begin, recording only), got ",
                                         phase));
     CapuchinAllocator* allocator = CapuchinAllocator::Installed();
     if (allocator == nullptr) return;
     switch (phase) {
       case 0:
-        allocator->BeginLayoutStep(id);
+      case 4:
+        allocator->BeginLayoutStep(id, /*record_only=*/phase == 4);
         break;
       case 1:
       case 2:
@@ -146,13 +147,15 @@ class LayoutRecordOp : public OpKernel {
     const int64_t n = static_cast<int64_t>(record.size());
     Tensor* keys = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &keys));
-    Tensor* values[3] = {nullptr, nullptr, nullptr};
-    for (int i = 0; i < 3; ++i) OP_REQUIRES_OK(ctx, ctx->allocate_output(1 + i, TensorShape({n}), &values[i]));
+    Tensor* values[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
+    for (int i = 0; i < 5; ++i) OP_REQUIRES_OK(ctx, ctx->allocate_output(1 + i, TensorShape({n}), &values[i]));
     for (int64_t j = 0; j < n; ++j) {
       keys->vec<tstring>()(j) = record[j].key;
       values[0]->vec<int64_t>()(j) = record[j].bytes;
       values[1]->vec<int64_t>()(j) = record[j].alloc_t;
       values[2]->vec<int64_t>()(j) = record[j].free_t;
+      values[3]->vec<int64_t>()(j) = record[j].alloc_ns;
+      values[4]->vec<int64_t>()(j) = record[j].free_ns;
     }
   }
 };

@@ -1,6 +1,7 @@
 #include "step_layout.h"
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <string>
 #include <string_view>
@@ -17,10 +18,16 @@ constexpr size_t kMaxLaidOut = 50000;
 
 int64_t Rounded(int64_t bytes) { return (bytes + kGranule - 1) / kGranule * kGranule; }
 
+int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 }  // namespace
 
-int64_t StepLayout::Begin(int64_t id) {
+int64_t StepLayout::Begin(int64_t id, bool record_only) {
   std::lock_guard<std::mutex> lock(mu_);
+  record_only_ = record_only;
   stats_.steps++;
   stats_.step_misses = 0;
   generation_++;
@@ -33,12 +40,13 @@ int64_t StepLayout::Begin(int64_t id) {
   }
   step_id_ = id;
   clock_ = 0;
+  begin_ns_ = SteadyNs();
   seen_.clear();
   records_.clear();
   recorded_ptr_.clear();
   ticket_planned_.clear();
   active_.store(true, std::memory_order_release);
-  if (layout_bytes_ <= 0) return 0;
+  if (layout_bytes_ <= 0 || record_only) return 0;
   if (region_ != nullptr) {
     // An earlier step's region, something in it still live: this step uses it if it is large enough.
     if (region_bytes_ >= layout_bytes_) stats_.region_steps++;
@@ -46,6 +54,8 @@ int64_t StepLayout::Begin(int64_t id) {
   }
   return layout_bytes_;
 }
+
+int64_t StepLayout::SinceBegin() const { return SteadyNs() - begin_ns_; }
 
 void StepLayout::Attach(void* region, int64_t bytes) {
   if (region == nullptr) return;
@@ -119,8 +129,9 @@ void* StepLayout::Allocate(std::string_view op, int64_t bytes, int64_t* ticket, 
   r.bytes = rounded;
   r.requested = bytes;
   r.alloc_t = clock_++;
+  r.alloc_ns = SinceBegin();
   auto it = offsets_.find(r.key);
-  *planned = it != offsets_.end();
+  *planned = !record_only_ && it != offsets_.end();
   records_.push_back(std::move(r));
   ticket_planned_.push_back(*planned);
   *ticket = (generation_ << 32) | index;
@@ -169,6 +180,7 @@ void StepLayout::Bind(int64_t ticket, void* ptr) {
   // Its lifetime starts now, not when it was asked for: passive mode may have evicted tensors for it meanwhile, and
   // those must not count as live beside it.
   records_[index].alloc_t = clock_++;
+  records_[index].alloc_ns = SinceBegin();
   recorded_ptr_[reinterpret_cast<uintptr_t>(ptr)] = index;
 }
 
@@ -181,6 +193,7 @@ bool StepLayout::Free(void* ptr, void** release) {
   auto r = recorded_ptr_.find(p);
   if (r != recorded_ptr_.end()) {
     records_[r->second].free_t = clock_++;
+    records_[r->second].free_ns = SinceBegin();
     recorded_ptr_.erase(r);
   }
   if (region_ == nullptr) return false;
@@ -217,7 +230,7 @@ void* StepLayout::End(bool ok) {
     layout_bytes_ = 0;
     stats_.region_bytes = 0;
     stats_.planned = 0;
-  } else if (step_id_ == layout_id_ && (layout_bytes_ == 0 || stats_.step_misses > 0)) {
+  } else if (!record_only_ && step_id_ == layout_id_ && (layout_bytes_ == 0 || stats_.step_misses > 0)) {
     Layout();
   }
   recorded_ptr_.clear();
@@ -230,7 +243,9 @@ std::vector<StepLayout::RecordedAllocation> StepLayout::LastRecord() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<RecordedAllocation> out;
   out.reserve(last_records_.size());
-  for (const Record& r : last_records_) out.push_back(RecordedAllocation{r.key, r.bytes, r.alloc_t, r.free_t});
+  for (const Record& r : last_records_) {
+    out.push_back(RecordedAllocation{r.key, r.bytes, r.alloc_t, r.free_t, r.alloc_ns, r.free_ns});
+  }
   std::stable_sort(out.begin(), out.end(),
                    [](const RecordedAllocation& a, const RecordedAllocation& b) { return a.alloc_t < b.alloc_t; });
   return out;

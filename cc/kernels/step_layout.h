@@ -71,7 +71,8 @@ class StepLayout {
 
   // Starts a step of function `id` (a different id than the layout's drops the layout). Returns the size of the
   // region the step's layout needs, 0 when there is none or the region of an earlier step, still in use, holds it.
-  int64_t Begin(int64_t id);
+  // `record_only`: the step's allocations are recorded and none is placed (no region; the layout stays as it is).
+  int64_t Begin(int64_t id, bool record_only = false);
   // The region Begin asked for (nullptr: the device had no room; the step then runs on the device allocator alone).
   void Attach(void* region, int64_t bytes);
   // An allocation of `bytes` by `op`: its place in the region, or nullptr. `*ticket` >= 0 when the allocation is
@@ -100,6 +101,7 @@ class StepLayout {
   struct RecordedAllocation {
     std::string key;
     int64_t bytes, alloc_t, free_t;
+    int64_t alloc_ns, free_ns;  // since the step began (free -1: not freed in the step)
   };
   std::vector<RecordedAllocation> LastRecord();
 
@@ -109,7 +111,8 @@ class StepLayout {
     int64_t bytes = 0;      // rounded to BFC's 256 bytes
     int64_t requested = 0;  // as asked for
     int64_t alloc_t = 0;
-    int64_t free_t = -1;  // -1: live at the step's end; kFailed: the allocation failed
+    int64_t free_t = -1;                 // -1: live at the step's end; kFailed: the allocation failed
+    int64_t alloc_ns = 0, free_ns = -1;  // since the step began (steady clock)
   };
   static constexpr int64_t kFailed = -2;
   // mu_ held.
@@ -131,6 +134,9 @@ class StepLayout {
   // The step being recorded.
   int64_t step_id_ = -1;
   int64_t generation_ = 0;  // steps begun: a ticket of an earlier step is stale
+  bool record_only_ = false;
+  int64_t begin_ns_ = 0;  // when the step began (steady clock)
+  int64_t SinceBegin() const;
   int64_t clock_ = 0;
   std::unordered_map<std::string, int64_t> seen_;        // op and size -> allocations so far this step
   std::vector<Record> records_;                          // this step's recorded allocations

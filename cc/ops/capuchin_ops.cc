@@ -269,9 +269,10 @@ device; elsewhere it does nothing. Phase 0 begins a step of the function `id`: i
 recorded and, once a step of the same function was recorded, placed in one region of the device where the layout
 says (the region is allocated now, within the memory budget). Phase 1 ends the step (laying out its allocations when
 it ran without a layout or not as laid out), phase 2 ends a step that failed (the layout is dropped), phase 3 drops
-the layout.
+the layout, phase 4 begins a step whose allocations are recorded only (nothing is placed; Capuchin>LayoutRecord
+reads them after its end).
 
-phase: a scalar, 0 to 3.
+phase: a scalar, 0 to 4.
 id: a scalar naming the function the step runs.
 )doc");
 
@@ -299,14 +300,16 @@ REGISTER_OP("Capuchin>LayoutRecord")
     .Output("bytes: int64")
     .Output("allocated: int64")
     .Output("freed: int64")
+    .Output("allocated_ns: int64")
+    .Output("freed_ns: int64")
     .SetIsStateful()
     .SetShapeFn(VectorOutputs)
     .Doc(R"doc(
 The allocations of more than 64 KiB the last step under Capuchin>LayoutStep recorded, in allocation order: the key
 ("op#bytes#n": the op that asked, the size rounded to 256 bytes, how many allocations of that op and size came before
 in the step), the rounded size, and when the allocation was made and freed counted in the step's allocation and free
-events (freed -1: live at the step's end; -2: the allocation failed). What the step really kept live, allocation by
-allocation.
+events (freed -1: live at the step's end; -2: the allocation failed), and the same in nanoseconds since the step
+began (freed_ns -1: not freed in the step). What the step really kept live, allocation by allocation.
 )doc");
 
 REGISTER_OP("Capuchin>DrainStalls")

@@ -27,6 +27,33 @@ def test_candidates_are_the_tensors_alive_across_the_peak_and_accessed_more_than
     assert [(p.k, p.back_pos - p.ev_pos) for p in pairs["op4:0"]] == [(1, 2)]
 
 
+def test_a_pair_with_nothing_made_while_the_tensor_would_be_away_is_no_candidate():
+    """T0 is made by op0 and read by op1, with only a scalar made in between (BatchNorm's product and its add: the
+    per-channel vectors in between), then read again in the backward pass. The memory is highest at op0 and op1, where
+    T0 must be on the device, so evicting it between them lowers no peak: only its forward-to-backward pair counts."""
+    from conftest import BWD
+
+    from capuchin_tf.core.synthetic import TraceBuilder
+
+    b = TraceBuilder(gap_s=1e-6)
+    x = b.persistent("x", MB)
+    (pre,) = b.op("pre", "MatMul", (x,), (6 * MB,), duration=MS)  # memory is above the limit from here on
+    (t0,) = b.op("op0", "Mul", (pre,), (MB,), duration=MS)
+    (v,) = b.op("vec", "Mul", (x,), (4,), duration=0.01 * MS)
+    (t1,) = b.op("op1", "AddV2", (t0, v), (MB,), duration=MS)
+    (f,) = b.op("big", "MatMul", (t1,), (8 * MB,), duration=2 * MS)
+    (loss,) = b.op("loss", "Sum", (f,), (4,), duration=0.1 * MS)
+    (g,) = b.op("b1", "MatMul", (loss, t1), (MB,), role=BWD, duration=MS)
+    (g,) = b.op("b0", "MatMul", (g, t0), (MB,), role=BWD, duration=MS)
+    b.op("bpre", "MatMul", (g, pre), (MB,), role=BWD, duration=MS)
+    trace = b.build()
+    ctx = make_context(trace, trace.persistent_bytes + 6 * MB, SLOW_LINK)
+    assert ctx.min_bytes > 4  # the vector is below what the planner counts
+    pairs = candidate_pairs(ctx)
+    assert [(p.k, ctx.idx.op_names[p.ev_pos], ctx.idx.op_names[p.back_pos]) for p in pairs["op0:0"]] == [
+        (1, "op1", "b0")]
+
+
 def test_candidates_count_as_resident_and_t4_is_rebuilt_from_t2_when_t3_dies_in_forward():
     _, _, _, rs = selector(paper_chain())
     t4 = rs.cands["op4:0"]
