@@ -198,6 +198,8 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes) {
 namespace {
 // Set while CapuchinAllocator::AllocateMoved (a DeviceMover's) makes a tensor on this thread.
 thread_local bool t_moving = false;
+// Set while passive mode evicts tensors on this thread (HostStore::EvictFor frees their device buffers here).
+thread_local bool t_evicting = false;
 }  // namespace
 
 void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const AllocationAttributes& attr) {
@@ -241,7 +243,6 @@ void* CapuchinAllocator::PlannedElsewhere(size_t alignment, size_t num_bytes, in
 void* CapuchinAllocator::InRegionEvicting(size_t num_bytes, int64_t ticket, std::unique_lock<std::shared_mutex>* held) {
   std::unique_lock<std::shared_mutex> exclusive;
   if (held == nullptr) exclusive = std::unique_lock<std::shared_mutex>(evict_mu_);
-  HostStore* store = HostStore::Global();
   // A few rounds: when the region has no run of free and evictable memory that large, the store evicts tensors of
   // about the size asked for wherever they are, which may not make one.
   void* ptr = nullptr;
@@ -249,7 +250,7 @@ void* CapuchinAllocator::InRegionEvicting(size_t num_bytes, int64_t ticket, std:
     ptr = layout_.Retry(ticket);
     if (ptr != nullptr) return ptr;
     const std::vector<ChunkSpan> chunks = layout_.ChunkMap();
-    if (chunks.empty() || store->EvictFor(static_cast<int64_t>(num_bytes), &chunks) == 0) return nullptr;
+    if (chunks.empty() || Evict(static_cast<int64_t>(num_bytes), &chunks) == 0) return nullptr;
   }
   return layout_.Retry(ticket);
 }
@@ -306,7 +307,7 @@ void* CapuchinAllocator::AllocateOnDevice(size_t alignment, size_t num_bytes, co
         std::unique_lock<std::shared_mutex> exclusive(evict_mu_);
         ptr = base_->AllocateRaw(alignment, num_bytes, no_retry);
         if (ptr == nullptr && MoveFor(num_bytes) > 0) ptr = base_->AllocateRaw(alignment, num_bytes, no_retry);
-        while (ptr == nullptr && store->EvictFor(static_cast<int64_t>(num_bytes), ChunkMap()) > 0) {
+        while (ptr == nullptr && Evict(static_cast<int64_t>(num_bytes), ChunkMap()) > 0) {
           ptr = base_->AllocateRaw(alignment, num_bytes, no_retry);
         }
         if (ptr == nullptr) generation = store->CopyGeneration();
@@ -436,8 +437,8 @@ void* CapuchinAllocator::AllocateWithinBudget(size_t alignment, size_t num_bytes
             moved = true;
             if (MoveFor(num_bytes) > 0) continue;
           }
-          const int64_t freed = excess > 0 ? store->EvictFor(excess, ChunkMap(), /*contiguous=*/false)
-                                           : store->EvictFor(static_cast<int64_t>(num_bytes), ChunkMap());
+          const int64_t freed = excess > 0 ? Evict(excess, ChunkMap(), /*contiguous=*/false)
+                                           : Evict(static_cast<int64_t>(num_bytes), ChunkMap());
           if (freed == 0) break;
         }
         if (ptr == nullptr) generation = store->CopyGeneration();
@@ -460,6 +461,13 @@ void* CapuchinAllocator::AllocateWithinBudget(size_t alignment, size_t num_bytes
   }
   if (ptr != nullptr && trace_owners_) RecordOwner(ptr, num_bytes);
   return ptr;
+}
+
+int64_t CapuchinAllocator::Evict(int64_t bytes, const std::vector<ChunkSpan>* chunks, bool contiguous) {
+  t_evicting = true;
+  const int64_t freed = HostStore::Global()->EvictFor(bytes, chunks, contiguous);
+  t_evicting = false;
+  return freed;
 }
 
 int64_t CapuchinAllocator::MoveFor(size_t num_bytes) {
@@ -583,7 +591,7 @@ void CapuchinAllocator::DeallocateRaw(void* ptr) {
     owners_.erase(reinterpret_cast<uint64_t>(ptr));
   }
   void* region = nullptr;
-  if (layout_.Free(ptr, &region)) {
+  if (layout_.Free(ptr, &region, t_evicting)) {
     if (region != nullptr) base_->DeallocateRaw(region);
     return;
   }

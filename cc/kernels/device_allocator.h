@@ -150,6 +150,9 @@ class CapuchinAllocator : public Allocator, private DeviceMover {
   void Release() override;
   // AllocateRaw while AllocateMoved runs: from the device, never waiting or evicting, nullptr inside the window.
   void* AllocateOutsideWindow(size_t alignment, size_t num_bytes);
+  // HostStore::EvictFor, marking the device buffers it frees on this thread as evicted (the planned layout keeps
+  // such a tensor's record open until a Get brings it back).
+  int64_t Evict(int64_t bytes, const std::vector<ChunkSpan>* chunks, bool contiguous = true);
   // MoveFor with this wrapper as the mover, when moves are on and the device is the simulated one.
   int64_t MoveFor(size_t num_bytes);
   std::vector<void*> reserved_;

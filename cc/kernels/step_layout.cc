@@ -45,6 +45,7 @@ int64_t StepLayout::Begin(int64_t id, bool record_only) {
   records_.clear();
   recorded_ptr_.clear();
   ticket_planned_.clear();
+  evicted_.clear();
   active_.store(true, std::memory_order_release);
   if (layout_bytes_ <= 0 || record_only) return 0;
   if (region_ != nullptr) {
@@ -123,6 +124,23 @@ void* StepLayout::Allocate(std::string_view op, int64_t bytes, int64_t* ticket, 
   std::lock_guard<std::mutex> lock(mu_);
   if (!active()) return nullptr;
   const int64_t rounded = Rounded(bytes);
+  static constexpr std::string_view kGet = "capuchin/get/";
+  auto back = evicted_.find(rounded);
+  if (op.substr(0, kGet.size()) == kGet && back != evicted_.end() && !back->second.empty()) {
+    // A Get bringing back a tensor passive mode evicted: the evicted tensor's record goes on, and its place is its.
+    const int64_t index = back->second.front();
+    back->second.pop_front();
+    *ticket = (generation_ << 32) | index;
+    *planned = ticket_planned_[index];
+    auto at = offsets_.find(records_[index].key);
+    if (!*planned || region_ == nullptr || at == offsets_.end()) return nullptr;
+    void* p = Take(at->second, rounded, bytes, index);
+    if (p == nullptr) {
+      const int64_t gap = BestGap(rounded);
+      p = gap < 0 ? nullptr : Take(gap, rounded, bytes, index);
+    }
+    return p;
+  }
   const int64_t index = static_cast<int64_t>(records_.size());
   Record r;
   r.key = KeyOf(op, rounded);
@@ -178,13 +196,15 @@ void StepLayout::Bind(int64_t ticket, void* ptr) {
     return;
   }
   // Its lifetime starts now, not when it was asked for: passive mode may have evicted tensors for it meanwhile, and
-  // those must not count as live beside it.
-  records_[index].alloc_t = clock_++;
-  records_[index].alloc_ns = SinceBegin();
+  // those must not count as live beside it. (A tensor brought back goes on with the lifetime it started with.)
+  if (records_[index].evict_t < 0) {
+    records_[index].alloc_t = clock_++;
+    records_[index].alloc_ns = SinceBegin();
+  }
   recorded_ptr_[reinterpret_cast<uintptr_t>(ptr)] = index;
 }
 
-bool StepLayout::Free(void* ptr, void** release) {
+bool StepLayout::Free(void* ptr, void** release, bool evicted) {
   *release = nullptr;
   const bool in_region = InRegion(ptr);
   if (!in_region && !active()) return false;
@@ -192,8 +212,14 @@ bool StepLayout::Free(void* ptr, void** release) {
   const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
   auto r = recorded_ptr_.find(p);
   if (r != recorded_ptr_.end()) {
-    records_[r->second].free_t = clock_++;
-    records_[r->second].free_ns = SinceBegin();
+    Record& rec = records_[r->second];
+    if (evicted) {
+      rec.evict_t = clock_++;
+      evicted_[rec.bytes].push_back(r->second);
+    } else {
+      rec.free_t = clock_++;
+      rec.free_ns = SinceBegin();
+    }
     recorded_ptr_.erase(r);
   }
   if (region_ == nullptr) return false;
@@ -224,6 +250,9 @@ void* StepLayout::MaybeRelease() {
 void* StepLayout::End(bool ok) {
   std::lock_guard<std::mutex> lock(mu_);
   active_.store(false, std::memory_order_release);
+  for (const auto& kv : evicted_) {
+    for (int64_t i : kv.second) records_[i].free_t = records_[i].evict_t;  // evicted, not brought back in the step
+  }
   if (!ok) {
     // A step that failed (out of memory) says nothing reliable of the lifetimes: the next step records afresh.
     offsets_.clear();

@@ -30,6 +30,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <string>
@@ -84,7 +85,10 @@ class StepLayout {
   void Bind(int64_t ticket, void* ptr);
   // A deallocation: true when `ptr` was in the region (the device allocator must not see it); `*release` is then the
   // region itself when it is no longer needed (the wrapper gives it back to the device).
-  bool Free(void* ptr, void** release);
+  // `evicted`: passive mode evicted the tensor to host memory (HostStore::EvictFor). Its record then stays open, and
+  // the allocation that brings it back (a Capuchin>Get's of the same size, the earliest evicted first) continues it:
+  // the layout gives the tensor one lifetime, as if it had stayed, so that a step that fits keeps it where it is.
+  bool Free(void* ptr, void** release, bool evicted = false);
   // The requested size of an allocation in the region (0 if none).
   size_t SizeOf(const void* ptr);
   // Ends the step (`ok`: it completed). Returns the region to give back to the device, or nullptr.
@@ -112,6 +116,7 @@ class StepLayout {
     int64_t requested = 0;  // as asked for
     int64_t alloc_t = 0;
     int64_t free_t = -1;                 // -1: live at the step's end; kFailed: the allocation failed
+    int64_t evict_t = -1;                // when passive mode evicted it (-1: never)
     int64_t alloc_ns = 0, free_ns = -1;  // since the step began (steady clock)
   };
   static constexpr int64_t kFailed = -2;
@@ -138,11 +143,12 @@ class StepLayout {
   int64_t begin_ns_ = 0;  // when the step began (steady clock)
   int64_t SinceBegin() const;
   int64_t clock_ = 0;
-  std::unordered_map<std::string, int64_t> seen_;        // op and size -> allocations so far this step
-  std::vector<Record> records_;                          // this step's recorded allocations
-  std::vector<Record> last_records_;                     // the last ended step's
-  std::unordered_map<uintptr_t, int64_t> recorded_ptr_;  // live recorded allocation -> its record
-  std::vector<bool> ticket_planned_;                     // per record: the layout had an offset for it
+  std::unordered_map<std::string, int64_t> seen_;             // op and size -> allocations so far this step
+  std::vector<Record> records_;                               // this step's recorded allocations
+  std::vector<Record> last_records_;                          // the last ended step's
+  std::unordered_map<uintptr_t, int64_t> recorded_ptr_;       // live recorded allocation -> its record
+  std::vector<bool> ticket_planned_;                          // per record: the layout had an offset for it
+  std::unordered_map<int64_t, std::deque<int64_t>> evicted_;  // bytes -> evicted records not brought back yet
   // The region: its live allocations, offset -> (bytes, requested bytes).
   void* region_ = nullptr;
   int64_t region_bytes_ = 0;
