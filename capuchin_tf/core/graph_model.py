@@ -240,6 +240,16 @@ VIEW_OPS = frozenset({"Reshape", "Identity", "Squeeze", "ExpandDims", "Bitcast",
                       "PreventGradient", "IdentityN"})
 
 
+# Ops whose kernels write their output into an input's buffer when that input is dead after them and of the output's
+# size (TensorFlow's forward_input_or_allocate_output): element-wise ops, BiasAdd, Softmax and LogSoftmax.
+FORWARDING_OPS = frozenset({
+    "Abs", "Add", "AddV2", "BiasAdd", "Ceil", "Cos", "Div", "DivNoNan", "Elu", "Erf", "Erfc", "Exp", "Expm1", "Floor",
+    "Gelu", "Inv", "LeakyRelu", "Log", "Log1p", "LogSoftmax", "Maximum", "Minimum", "Mul", "MulNoNan", "Neg", "Pow",
+    "RealDiv", "Reciprocal", "Relu", "Relu6", "Round", "Rsqrt", "Select", "SelectV2", "Selu", "Sigmoid", "Sign",
+    "Sin", "Softmax", "Softplus", "Softsign", "Sqrt", "Square", "SquaredDifference", "Sub", "Tanh",
+})
+
+
 def view_input(op_type: str, slot: int) -> int | None:
     """For an op of `op_type`, the input whose buffer output `slot` views; None when the op is not a view op."""
     if op_type not in VIEW_OPS:

@@ -14,8 +14,11 @@ The model (docs/policy.md, "The simulator"):
 - **Recomputation.** The tensor is freed at the end of its evicted-access's op. Its replay runs just before the
   back-access's op (on demand, as in the paper) or just after its trigger's op (early); the replayed ops take their
   measured durations on the compute stream and delay what follows unless an idle gap absorbs them. Each replayed op
-  allocates its outputs when it starts; intermediates are freed after the last replayed op that reads them; the
-  target and the tensors the replay keeps (collective recomputation) stay until their normal free.
+  allocates its outputs when it starts, except an element-wise op (`FORWARDING_OPS`) whose input the replay made, of
+  the output's size and read by no later replayed op: its output takes that input's buffer, as TensorFlow forwards a
+  dead input (the replay's tensors are not in the safety net's pool, so nothing else holds them); intermediates are
+  freed after the last replayed op that reads them; the target and the tensors the replay keeps (collective
+  recomputation) stay until their normal free.
 - **Memory.** Every other allocation and free of the trace (tensors, temporaries, released persistent buffers) moves
   with the delay of the op running at that time.
 
@@ -33,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.device_model import DeviceModel
+from capuchin_tf.core.graph_model import FORWARDING_OPS
 from capuchin_tf.core.plan import EARLY, ON_DEMAND, RECOMPUTE, SWAP, Decision, Plan, RecomputeDecision, SwapDecision
 from capuchin_tf.core.trace_index import TraceIndex
 
@@ -453,6 +457,11 @@ class _Walk:
                 f"tensor {d.tensor!r}: its replay runs before op {idx.op_names[min(k, idx.n_ops - 1)]!r} but it is "
                 "not evicted then"
             )
+        reads_left: dict[str, int] = {}  # replayed ops still to run that read each tensor
+        for name in d.replay_ops:
+            for x in idx.op_inputs[idx.pos[name]]:
+                reads_left[x] = reads_left.get(x, 0) + 1
+        forwarded: dict[str, str] = {}  # output -> the replay-made input whose buffer it took
         for name in d.replay_ops:
             p = idx.pos[name]
             for x in idx.op_inputs[p]:
@@ -473,13 +482,28 @@ class _Walk:
             t0 = t
             t += idx.dur[p]
             for x in idx.op_inputs[p]:
+                reads_left[x] -= 1
                 if x in produced:
                     last_use[x] = t
             for out in idx.op_outputs[p]:
                 produced[out] = t0
                 last_use.setdefault(out, t)
+                if idx.op_type[p] in FORWARDING_OPS:
+                    size = idx.tensors[out].nbytes
+                    for x in idx.op_inputs[p]:
+                        if (x in produced and x not in keep and x not in forwarded.values() and reads_left[x] == 0
+                                and idx.tensors[x].nbytes == size):
+                            forwarded[out] = x
+                            break
+        gave = set(forwarded.values())
         for out, t_alloc in produced.items():
             nbytes = idx.tensors[out].nbytes
+            if out in gave:
+                continue  # its buffer went on to the output that took it
+            # A buffer handed on is allocated when its first holder was made.
+            first = out
+            while first in forwarded:
+                first = forwarded[first]
             if out in keep:
                 if state.get(out) != _OUT:
                     raise InfeasiblePlanError(
@@ -487,9 +511,9 @@ class _Walk:
                     )
                 state[out] = _IN
                 restore[out] = t_alloc
-                events.append((t_alloc, nbytes))
+                events.append((produced[first], nbytes))
             elif nbytes:
-                events.append((t_alloc, nbytes))
+                events.append((produced[first], nbytes))
                 events.append((last_use[out], -nbytes))
         missing = keep.difference(produced)
         if missing:
