@@ -16,12 +16,13 @@ the predicted and measured peaks per step and the live set at the record's peak;
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import sys
 import time
+
+from probe_common import step_parser
 
 MiB = 1 << 20
 
@@ -44,18 +45,12 @@ def live_at_peak(record: dict) -> tuple[int, list[tuple[str, int, int, int]]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--budget-mb", type=float, required=True)
-    p.add_argument("--policy", default="capuchin")
-    p.add_argument("--link", default="p100")
+    p = step_parser(__doc__, policy="capuchin")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--keep-budget", action="store_true")
     p.add_argument("--warm", action="store_true", help="one plain step before the managed step (warms the kernels)")
     p.add_argument("--place", action="store_true", help="place by the planned layout (default: record only)")
     p.add_argument("--top", type=int, default=40)
-    p.add_argument("--json", required=True)
     a = p.parse_args()
 
     import tensorflow as tf
@@ -67,7 +62,7 @@ def main() -> int:
     from capuchin_tf.tf.simulated_device import DEVICE
 
     setup = models.build(a.model, a.batch)
-    budget = int(a.budget_mb * MiB)
+    budget = a.budget_mb * MiB
     if a.warm:
         setup.train_step(*setup.inputs)
     step = capuchin_tf.function(setup.train_step, memory_budget=budget, policy=a.policy, link=a.link, feedback=False,

@@ -14,7 +14,6 @@ Writes the per-op rows and the live buffers as JSON, stamped.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import contextlib
 import glob
@@ -24,17 +23,13 @@ import shutil
 import tempfile
 import time
 
+from probe_common import step_parser
+
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--budget-mb", type=int, required=True)
-    p.add_argument("--policy", default="capuchin")
+    p = step_parser(__doc__, policy="capuchin")
     p.add_argument("--safety-net", choices=("on", "off"), default="on")
-    p.add_argument("--link", default="p100")
     p.add_argument("--warm", type=int, default=2)
-    p.add_argument("--json", required=True)
     a = p.parse_args()
 
     import tensorflow as tf

@@ -13,22 +13,17 @@ per step and writes them as JSON, stamped.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 
+from probe_common import step_parser
+
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--budget-mb", type=int, required=True)
-    p.add_argument("--policy", required=True)
+    p = step_parser(__doc__, policy=None)
     p.add_argument("--safety-net", choices=("on", "off"), required=True)
-    p.add_argument("--link", default="p100")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--json", required=True)
     a = p.parse_args()
 
     import capuchin_tf

@@ -14,21 +14,16 @@ calls update the variables; the tool measures, it does not train. Plain TensorFl
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import json
 import time
 
+from probe_common import step_parser
+
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="resnet50")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--budget-mb", type=int, required=True)
-    p.add_argument("--link", default="native")
-    p.add_argument("--json", required=True)
-    a = p.parse_args()
+    a = step_parser(__doc__, model="resnet50", batch=32, link="native").parse_args()
 
     import capuchin_tf  # noqa: F401  (the allocator wrapper, before TensorFlow's first op)
     from capuchin_tf.cli import models
