@@ -139,17 +139,12 @@ def layout_begin(function_id: int, record_only: bool = False) -> None:
     device; elsewhere nothing): its allocations of more than 64 KiB are recorded and, once a step of the same function
     was recorded, placed in one region of the device where the layout made from it says (cc/kernels/step_layout.h).
     `record_only`: recorded (`layout_record` after its end), not placed."""
-    _ops.capuchin_layout_step(tf.constant(4 if record_only else 0, tf.int64), tf.constant(int(function_id), tf.int64))
+    _ops.capuchin_layout_step(tf.constant(3 if record_only else 0, tf.int64), tf.constant(int(function_id), tf.int64))
 
 
 def layout_end(ok: bool = True) -> None:
     """Ends the step `layout_begin` began; `ok` False after a failure (the layout is then dropped)."""
     _ops.capuchin_layout_step(tf.constant(1 if ok else 2, tf.int64), tf.constant(0, tf.int64))
-
-
-def layout_reset() -> None:
-    """Drops the planned layout: the next step is recorded afresh."""
-    _ops.capuchin_layout_step(tf.constant(3, tf.int64), tf.constant(0, tf.int64))
 
 
 def layout_stats() -> dict[str, int]:

@@ -205,8 +205,8 @@ thread_local bool t_evicting = false;
 void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const AllocationAttributes& attr) {
   if (t_moving) return AllocateOutsideWindow(alignment, num_bytes);
   int64_t ticket = -1;
+  bool planned = false;
   if (layout_.active() && static_cast<int64_t>(num_bytes) > layout_.min_bytes() && alignment <= 256) {
-    bool planned = false;
     const std::string_view op = tsl::profiler::ScopedMemoryDebugAnnotation::CurrentAnnotation().pending_op_name;
     void* ptr = layout_.Allocate(op, static_cast<int64_t>(num_bytes), &ticket, &planned);
     if (ptr != nullptr) return ptr;
@@ -216,9 +216,9 @@ void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes, const A
     }
   }
   void* ptr = AllocateOnDevice(alignment, num_bytes, attr);
-  if (ptr == nullptr && ticket >= 0 && HostStore::Global()->passive()) {
+  if (ptr == nullptr && ticket >= 0 && !planned && HostStore::Global()->passive()) {
     // The device outside the region had no room even after passive mode's evictions, which cannot free the region's
-    // memory for it: the region, evicting from it.
+    // memory for it: the region, evicting from it (a planned allocation evicted from it already).
     ptr = InRegionEvicting(num_bytes, ticket);
     if (ptr != nullptr) return ptr;
   }

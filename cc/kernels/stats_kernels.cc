@@ -100,23 +100,16 @@ class LayoutStepOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CheckScalarInput(ctx, 1, "id"));
     const int64_t phase = ctx->input(0).scalar<int64_t>()();
     const int64_t id = ctx->input(1).scalar<int64_t>()();
-    OP_REQUIRES(ctx, phase >= 0 && phase <= 4,
-                errors::InvalidArgument("Capuchin>LayoutStep: phase is 0 (begin), 1 (end), 2 (end after a failure), "
-                                        "3 (reset) or 4 (begin, recording only), got ",
+    OP_REQUIRES(ctx, phase >= 0 && phase <= 3,
+                errors::InvalidArgument("Capuchin>LayoutStep: phase is 0 (begin), 1 (end), 2 (end after a failure) "
+                                        "or 3 (begin, recording only), got ",
                                         phase));
     CapuchinAllocator* allocator = CapuchinAllocator::Installed();
     if (allocator == nullptr) return;
-    switch (phase) {
-      case 0:
-      case 4:
-        allocator->BeginLayoutStep(id, /*record_only=*/phase == 4);
-        break;
-      case 1:
-      case 2:
-        allocator->EndLayoutStep(phase == 1);
-        break;
-      default:
-        allocator->ResetLayout();
+    if (phase == 0 || phase == 3) {
+      allocator->BeginLayoutStep(id, /*record_only=*/phase == 3);
+    } else {
+      allocator->EndLayoutStep(phase == 1);
     }
   }
 };

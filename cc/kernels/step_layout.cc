@@ -331,15 +331,6 @@ void StepLayout::Layout() {
   stats_.region_bytes = top;
 }
 
-void StepLayout::Reset() {
-  std::lock_guard<std::mutex> lock(mu_);
-  offsets_.clear();
-  layout_bytes_ = 0;
-  layout_id_ = -1;
-  stats_.region_bytes = 0;
-  stats_.planned = 0;
-}
-
 std::vector<ChunkSpan> StepLayout::ChunkMap() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<ChunkSpan> chunks;

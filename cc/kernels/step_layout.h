@@ -93,8 +93,6 @@ class StepLayout {
   size_t SizeOf(const void* ptr);
   // Ends the step (`ok`: it completed). Returns the region to give back to the device, or nullptr.
   void* End(bool ok);
-  // Drops the layout (the next step records).
-  void Reset();
   // The region's map in address order (free gaps and live allocations), as HostStore::EvictFor reads BFC's.
   std::vector<ChunkSpan> ChunkMap();
   Stats stats();

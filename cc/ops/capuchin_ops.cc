@@ -268,11 +268,11 @@ Begins or ends a step under the device allocator wrapper's planned layout (cc/ke
 device; elsewhere it does nothing. Phase 0 begins a step of the function `id`: its allocations of more than 64 KiB are
 recorded and, once a step of the same function was recorded, placed in one region of the device where the layout
 says (the region is allocated now, within the memory budget). Phase 1 ends the step (laying out its allocations when
-it ran without a layout or not as laid out), phase 2 ends a step that failed (the layout is dropped), phase 3 drops
-the layout, phase 4 begins a step whose allocations are recorded only (nothing is placed; Capuchin>LayoutRecord
-reads them after its end).
+it ran without a layout or not as laid out), phase 2 ends a step that failed (the layout is dropped), phase 3 begins
+a step whose allocations are recorded only (nothing is placed; Capuchin>LayoutRecord reads them after its end). A
+step of another function drops the layout.
 
-phase: a scalar, 0 to 4.
+phase: a scalar, 0 to 3.
 id: a scalar naming the function the step runs.
 )doc");
 
