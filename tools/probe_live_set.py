@@ -16,6 +16,7 @@ the predicted and measured peaks per step and the live set at the record's peak;
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import os
@@ -42,6 +43,32 @@ def live_at_peak(record: dict) -> tuple[int, list[tuple[str, int, int, int]]]:
             best, at = level, t
     live = sorted((s for s in spans if s[2] <= at < s[3]), key=lambda s: -s[1])
     return best, live
+
+
+def simulated_live(trace, sim, at: float) -> list[tuple[str, int]]:
+    """The trace's tensors the simulation has on the device at time `at` (its own clock): allocated and not freed,
+    with the op delays shifted in as the simulator does, and not evicted then (between the eviction's end and the
+    swap-in's start or the replay). Replays' own intermediates are left out; largest first."""
+    starts = [o.start for o in trace.ops]
+    delta = [s - o for s, o in zip(sim.op_start, starts)]
+
+    def shift(t: float, right: bool) -> float:
+        j = (bisect.bisect_right if right else bisect.bisect_left)(starts, t) - 1
+        return t + (delta[j] if j >= 0 else 0.0)
+
+    out = []
+    for rec in trace.tensors.values():
+        if rec.nbytes == 0:
+            continue
+        alloc = shift(rec.alloc, True)
+        free = float("inf") if rec.free is None else shift(rec.free, False)
+        if not alloc <= at < free:
+            continue
+        gone = sim.swap_out_end.get(rec.id)
+        if gone is not None and gone <= at < sim.restore_time.get(rec.id, float("inf")):
+            continue
+        out.append((rec.id, rec.nbytes))
+    return sorted(out, key=lambda r: -r[1])
 
 
 def main() -> int:
@@ -109,6 +136,17 @@ def main() -> int:
                               measured_free=round(first[op][1] / 1e9 / seconds, 4),
                               predicted_made=round(sim.op_end[pos[d.evicted_access.op]] / sim.step_time, 4),
                               measured_made=round(first[op][0] / 1e9 / seconds, 4)))
+    sim_live = simulated_live(state.trace, sim, sim.peak_time)
+    measured_ops = {}
+    for key, nbytes, _, _ in live:
+        measured_ops[key.rsplit("#", 2)[0]] = measured_ops.get(key.rsplit("#", 2)[0], 0) + nbytes
+    sim_ops = {}
+    for tid, nbytes in sim_live:
+        if nbytes <= 64 << 10:  # the record holds the allocations of more than 64 KiB
+            continue
+        sim_ops[tid.split(":")[0]] = sim_ops.get(tid.split(":")[0], 0) + nbytes
+    only_measured = sorted(((op, b) for op, b in measured_ops.items() if op not in sim_ops), key=lambda r: -r[1])
+    only_sim = sorted(((op, b) for op, b in sim_ops.items() if op not in measured_ops), key=lambda r: -r[1])
     persistent = state.start_bytes
     steps = [{k: s[k] for k in ("phase", "seconds", "peak_bytes", "passive_evicted_bytes", "layout_bytes",
                                 "layout_misses")} for s in report["steps"]]
@@ -128,14 +166,26 @@ def main() -> int:
           f"live at once ({len(live)} allocations):")
     for r in rows[:a.top]:
         print(f"  {r['mib']:8.3f} MiB  {r['allocated']:5d}-{r['freed']:5d}  {r['plan']:10s}  {r['key']}")
+    released = sum(n for t, n in state.trace.released if t <= sim.peak_time)
+    print(f"trace: persistent {state.trace.persistent_bytes / MiB:.1f} MiB, released before the simulated peak "
+          f"{released / MiB:.1f} MiB; the simulated peak {sim.peak_bytes / MiB:.1f} MiB")
+    print(f"simulated live set at its peak: {sum(b for _, b in sim_live) / MiB:.1f} MiB ({len(sim_live)} tensors); "
+          f"live at the record's peak, not in it: {sum(b for _, b in only_measured) / MiB:.1f} MiB; in it, not live "
+          f"then: {sum(b for _, b in only_sim) / MiB:.1f} MiB")
+    for op, b in only_measured[:a.top]:
+        print(f"  measured only {b / MiB:8.3f} MiB  {decided.get(op, '')}  {op}")
+    for op, b in only_sim[:a.top]:
+        print(f"  simulated only {b / MiB:8.3f} MiB  {decided.get(op, '')}  {op}")
     result = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": a.model,
               "batch": a.batch, "budget_bytes": budget, "policy": a.policy, "link": a.link,
               "device_mb": int(os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", 0)), "keep_budget": a.keep_budget,
-              "persistent_bytes": persistent, "predicted_peak_bytes": plan.predicted_peak_bytes,
+              "persistent_bytes": persistent, "trace_persistent_bytes": state.trace.persistent_bytes,
+              "trace_released_before_peak_bytes": released, "predicted_peak_bytes": plan.predicted_peak_bytes,
               "predicted_peak_op": plan.predicted_peak_op, "device_peak_bytes": tf.config.experimental.get_memory_info(
                   DEVICE)["peak"], "steps": steps, "swaps": swaps, "simulated_step_s": sim.step_time,
               "simulated_peak_fraction": sim.peak_time / sim.step_time, "recorded_live_max_bytes": top,
-              "live_at_peak": rows,
+              "live_at_peak": rows, "simulated_live_at_peak": [[t, b] for t, b in sim_live],
+              "measured_only": only_measured, "simulated_only": only_sim,
               "record": {k: [str(x) if k == "keys" else int(x) for x in v] for k, v in record.items()},
               "decisions": [f"{'swap' if isinstance(d, SwapDecision) else 'recompute'} {d.tensor}"
                             for d in plan.decisions],

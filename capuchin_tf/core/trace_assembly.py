@@ -253,17 +253,20 @@ def assemble_trace(
                 take(tid, pick, pick.alloc)
                 current[tid] = pick
                 continue
-            # No allocation of its own: a forwarded input buffer, or a view of one.
-            source = None
+            # No allocation of its own: a forwarded input buffer, or a view of one. An input this op can forward
+            # (its buffer's own tensor, read last here) comes first: TensorFlow forwards only such a buffer, and an
+            # input of the same size that lives on (the residual of an AddN, say) is not the one the output took.
+            candidates = []
             for inp in op.inputs:
                 b = current.get(inp)
                 if b is None or b.free is not None and b.free < k.start:
                     continue
                 if info.nbytes < 0 or graph.tensors[inp].nbytes == info.nbytes or op.type in VIEW_OPS:
-                    source = inp
-                    break
-            if source is None:
+                    candidates.append(inp)
+            if not candidates:
                 continue
+            source = next((inp for inp in candidates if last_reader.get(inp) == order[k.op]
+                           and current[inp].owner == inp), candidates[0])
             b = current[source]
             current[tid] = b
             if last_reader.get(source) == order[k.op] and b.owner == source and op.type not in VIEW_OPS:

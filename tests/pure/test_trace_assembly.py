@@ -246,3 +246,42 @@ def test_fold_pool_ops_reads_the_tensor_again_through_its_original_views():
     assert aliases == {get: "t:0"}
     g = fold_views(folded)
     assert g.ops["gradient_tape/s"].inputs == ("t:0", "f:0") and g.ops["gradient_tape/s"].control_inputs == ("r",)
+
+
+def test_an_add_of_a_live_residual_takes_the_buffer_of_its_dead_input():
+    """out = AddN(r, m): r (a residual, read again later) and m (read last here) are of out's size, and out has no
+    allocation of its own. TensorFlow forwarded m's buffer, the one it could: out owns it from then on (and m ends
+    there), even though r comes first among the inputs. Taking r as the source made out a view of r, so out had no
+    bytes until passive mode brought it back (the planner then evicted bytes it never counted)."""
+    ops = [
+        OpInfo("x", "_Arg", (), (), ("x:0",), Role.OTHER, stateful=False, replayable=False),
+        OpInfo("r", "MatMul", ("x:0",), (), ("r:0",), Role.FORWARD),
+        OpInfo("m", "Mul", ("r:0",), (), ("m:0",), Role.FORWARD),
+        OpInfo("out", "AddN", ("r:0", "m:0"), (), ("out:0",), Role.FORWARD),
+        OpInfo("gradient_tape/g", "Mul", ("out:0", "r:0"), (), ("gradient_tape/g:0",), Role.BACKWARD),
+    ]
+    tensors = [
+        TensorInfo("x:0", "x", nbytes=MB, consumers=("r",), persistent=True),
+        TensorInfo("r:0", "r", nbytes=4 * MB, consumers=("m", "out", "gradient_tape/g")),
+        TensorInfo("m:0", "m", nbytes=4 * MB, consumers=("out",)),
+        TensorInfo("out:0", "out", nbytes=4 * MB, consumers=("gradient_tape/g",)),
+        TensorInfo("gradient_tape/g:0", "gradient_tape/g", nbytes=4 * MB),
+    ]
+    g = GraphModel.build(ops, tensors)
+    us = 1000
+    k = [KernelEvent("x", "_Arg", 0, us), KernelEvent("r", "MatMul", 10 * us, 20 * us),
+         KernelEvent("m", "Mul", 30 * us, 40 * us), KernelEvent("out", "AddN", 50 * us, 60 * us),
+         KernelEvent("gradient_tape/g", "Mul", 70 * us, 80 * us)]
+    base = MB
+    m = [MemoryEvent(11 * us, True, 0xA, 4 * MB, 4 * MB, base + 4 * MB, "r", "output"),
+         MemoryEvent(31 * us, True, 0xB, 4 * MB, 4 * MB, base + 8 * MB, "m", "output"),
+         # out forwards m's buffer: no allocation
+         MemoryEvent(71 * us, True, 0xC, 4 * MB, 4 * MB, base + 12 * MB, "gradient_tape/g", "output"),
+         MemoryEvent(80 * us, False, 0xA, 4 * MB, 4 * MB, base + 8 * MB),
+         MemoryEvent(80 * us, False, 0xB, 4 * MB, 4 * MB, base + 4 * MB)]
+    trace = assemble_trace(g, k, m, peak_bytes=13 * MB)
+    out, mm, r = trace.tensors["out:0"], trace.tensors["m:0"], trace.tensors["r:0"]
+    assert out.nbytes == 4 * MB and out.alloc == pytest.approx(60e-6) and out.free == pytest.approx(80e-6)
+    assert mm.free == pytest.approx(60e-6)
+    assert r.nbytes == 4 * MB and r.free == pytest.approx(80e-6)
+    assert trace.replayed_peak_bytes() == 13 * MB
