@@ -542,6 +542,7 @@ import capuchin_tf.policy.feedback as feedback
 from capuchin_tf.cli import models
 
 feedback.TRIAL_FRACTION = {fraction}  # 0: any settled guided step opens the trial (the test forces one)
+feedback.TRIAL_PREDICTION_SLACK = float("inf")  # and every candidate that fits is tried, whatever its predicted time
 setup = models.build("transformer", 32)
 if {budget}:
     step = capuchin_tf.function(setup.train_step, memory_budget={budget}, policy="capuchin", link="p100")
