@@ -234,6 +234,8 @@ class Plan:
     persistent_bytes: int = 0
     planning_s: float = 0.0
     options: tuple[tuple[str, object], ...] = ()
+    # What a best-fit placement of the plan's buffers needs beyond the bytes live at once (policy/placement.py)
+    predicted_fragmentation_bytes: int = 0
 
     # ---- derived -------------------------------------------------------------------------------------------------
     @property
@@ -251,6 +253,12 @@ class Plan:
     @property
     def recomputed_bytes(self) -> int:
         return sum(d.nbytes for d in self.recomputes)
+
+    @property
+    def predicted_placed_peak_bytes(self) -> int:
+        """The device the plan needs when its buffers are placed, not only counted: the predicted peak plus the
+        placement's fragmentation."""
+        return self.predicted_peak_bytes + self.predicted_fragmentation_bytes
 
     @property
     def predicted_overhead(self) -> float:
@@ -314,6 +322,7 @@ class Plan:
             "unreachable_op": self.unreachable_op,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_peak_op": self.predicted_peak_op,
+            "predicted_fragmentation_bytes": self.predicted_fragmentation_bytes,
             "predicted_step_s": self.predicted_step_s,
             "trace_step_s": self.trace_step_s,
             "predicted_overhead": self.predicted_overhead,
@@ -358,6 +367,7 @@ class Plan:
             trace_peak_bytes=int(d.get("trace_peak_bytes", 0)),
             persistent_bytes=int(d.get("persistent_bytes", 0)),
             planning_s=float(d.get("planning_s", 0.0)),
+            predicted_fragmentation_bytes=int(d.get("predicted_fragmentation_bytes", 0)),
             options=tuple(sorted((str(k), v) for k, v in dict(d.get("options", {})).items())),
         )
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from capuchin_tf.core.plan import AccessRef, Decision, Plan, SwapDecision, options_tuple
 from capuchin_tf.core.trace_index import TraceIndex
 from capuchin_tf.policy.candidates import CandidatePair, Context
+from capuchin_tf.policy.placement import place
 from capuchin_tf.policy.simulator import SimulationResult, simulate
 
 
@@ -97,4 +98,5 @@ def finalize(
         persistent_bytes=ctx.trace.persistent_bytes,
         planning_s=(time.perf_counter() - started) if started is not None else 0.0,
         options=options_tuple(options or {}),
+        predicted_fragmentation_bytes=place(sim.events).fragmentation,
     )

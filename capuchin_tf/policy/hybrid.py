@@ -28,6 +28,7 @@ from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.core.plan import ON_DEMAND, Plan
 from capuchin_tf.core.trace_index import TraceIndex
+from capuchin_tf.policy.baselines import plan_checkpoint
 from capuchin_tf.policy.candidates import CandidatePair, candidate_pairs, make_context, recompute_pair
 from capuchin_tf.policy.common import finalize, fits, swap_decision
 from capuchin_tf.policy.recompute import (
@@ -42,7 +43,8 @@ from capuchin_tf.policy.recompute import (
 from capuchin_tf.policy.simulator import InfeasiblePlanError, simulate
 from capuchin_tf.policy.swap import SwapOption, SwapPlanner
 
-HALF_MARGIN = 0.01  # a half replaces a fitting hybrid plan only when predicted this much faster (plan_capuchin)
+HALF_MARGIN = 0.01  # another plan replaces a fitting hybrid plan only when predicted this much cheaper (plan_capuchin)
+PLACED_ROUNDS = 2  # the hybrid is planned again at most this often for its placement's needs (plan_capuchin)
 MAX_SCAN = 16  # swap pairs evaluated per pick when looking for one that covers the predicted peak (64 was
 # slower and no better on the measured ResNet50, bert-4l and BERT-base traces: docs/results.md)
 
@@ -54,9 +56,12 @@ def plan_capuchin(
 
     Beyond the paper (``fallback``): the greedy can paint itself into a corner (a recomputation chosen early keeps
     its sources on the device where a swap was needed later), or pick a mix its own simulator predicts slower than one
-    of its halves. So its two halves are planned too, and the fastest of the three plans that fit is returned (the
-    hybrid unless a half is predicted more than HALF_MARGIN faster; still named ``capuchin``, ``options["fallback"]``
-    says which half); if none fits, the hybrid plan is returned."""
+    of its halves; and a plan whose bytes fit can still need more device than the budget once its buffers are placed
+    (policy/placement.py), which a guided step pays in copies on demand. So more plans are made: the two halves, the
+    hybrid for the budget less what its placement needs beyond it (``placed``), and the checkpoint plan; each is
+    costed at its predicted step plus the copies its placed peak over the budget would take (`placed_cost`), and the
+    cheapest that fits is returned (the hybrid unless another is more than HALF_MARGIN cheaper; still named
+    ``capuchin``, ``options["fallback"]`` says which plan it is); if none fits, the hybrid plan is returned."""
     started = time.perf_counter()
     report: dict = {}
     index = options.pop("index", None) or TraceIndex(trace)
@@ -66,19 +71,44 @@ def plan_capuchin(
     )
     if not fallback or plan.unreachable_op is not None or report.get("hopeless"):
         return plan  # (hopeless: even evicting every candidate could not bring that op under the budget)
-    fitting = []
+    others = []
     for half, sw, rc in (("swap-only", True, False), ("recompute-only", False, True)):
-        p = hybrid(trace, budget_bytes, device_model, policy="capuchin", swap=sw, recompute=rc, index=index, **options)
-        if p.feasible and (not plan.feasible or p.predicted_step_s < plan.predicted_step_s * (1 - HALF_MARGIN)):
-            fitting.append((p.predicted_step_s, half, p))
+        others.append((half, hybrid(trace, budget_bytes, device_model, policy="capuchin", swap=sw, recompute=rc,
+                                    index=index, **options)))
+    placed = plan
+    for _ in range(PLACED_ROUNDS):
+        excess = placed.predicted_placed_peak_bytes - budget_bytes
+        if excess <= 0 or placed.budget_bytes - excess <= trace.persistent_bytes:
+            break
+        placed = hybrid(trace, placed.budget_bytes - excess, device_model, policy="capuchin", swap=True,
+                        recompute=True, index=index, **options)
+        if not placed.feasible:
+            break
+        others.append(("placed", placed))
+    others.append(("checkpoint", plan_checkpoint(trace, budget_bytes, device_model, index=index,
+                                                 margin_bytes=options.get("margin_bytes"))))
+    own = placed_cost(plan, budget_bytes) if plan.feasible else float("inf")
+    fitting = [(placed_cost(p, budget_bytes), name, p) for name, p in others
+               if p.feasible and p.predicted_peak_bytes <= budget_bytes
+               and placed_cost(p, budget_bytes) < own * (1 - HALF_MARGIN)]
     if not fitting:
         return dataclasses.replace(plan, planning_s=time.perf_counter() - started)
-    _, half, best = min(fitting, key=lambda x: x[:2])
+    _, name, best = min(fitting, key=lambda x: x[:2])
     return dataclasses.replace(
         best,
-        options=tuple(sorted(dict(best.options, fallback=half).items())),
+        policy="capuchin",
+        budget_bytes=budget_bytes,
+        options=tuple(sorted(dict(best.options, fallback=name).items())),
         planning_s=time.perf_counter() - started,
     )
+
+
+def placed_cost(plan: Plan, budget_bytes: int) -> float:
+    """The step `plan` is predicted to take on a device of `budget_bytes`: its simulated step, plus a copy out and
+    back of what its placed peak (Plan.predicted_placed_peak_bytes) needs beyond the device, which a guided step
+    evicts on demand."""
+    excess = max(0, plan.predicted_placed_peak_bytes - budget_bytes)
+    return plan.predicted_step_s + plan.device.swap_out_time(excess) + plan.device.swap_in_time(excess)
 
 
 def plan_swap_only(trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, **options) -> Plan:

@@ -65,6 +65,11 @@ class SimulationResult:
     idle_before: tuple[float, ...]  # compute idle time just before each op (gaps an early replay can fill)
     restore_time: Mapping[str, float]  # when each evicted tensor's memory came back (swap-in start, replay)
     swap_out_end: Mapping[str, float]
+    # Every allocation and free of the step in time order: (time, +bytes or -bytes, label). An allocation labelled
+    # with a tensor id gives that tensor a buffer (its production, a swap-in, a replay that keeps it) and a free with
+    # that label frees it (its eviction, its last read); a replay's temporaries have labels of their own; a release
+    # of persistent memory has the label "" (policy/placement.py pairs them into buffers).
+    events: tuple[tuple[float, int, str], ...] = ()
 
     @functools.cached_property
     def _curve_times(self) -> list[float]:
@@ -282,7 +287,7 @@ class _Walk:
         ready: dict[str, float] = {}
         out_end: dict[str, float] = {}
         restore: dict[str, float] = {}
-        events: list[tuple[float, int]] = []
+        events: list[tuple[float, int, str]] = []  # (time, +/- bytes, the buffer's tensor: see `events`)
         stalls: dict[str, float] = {}
         stall_total = 0.0
         recompute_total = 0.0
@@ -293,7 +298,7 @@ class _Walk:
             nonlocal h2d_free
             cs = max(issue, h2d_free)
             h2d_free = ce = cs + dm.swap_in_time(nbytes)
-            events.append((cs, nbytes))
+            events.append((cs, nbytes, t))
             restore[t] = cs
             ready[t] = ce
             state[t] = _IN_FLIGHT
@@ -370,10 +375,10 @@ class _Walk:
                     ce = cs + dm.swap_out_time(d.nbytes)
                     d2h_free = ce
                     out_end[t] = ce
-                    events.append((ce, -d.nbytes))
+                    events.append((ce, -d.nbytes, t))
                 else:
                     out_end[t] = E[i]
-                    events.append((E[i], -d.nbytes))
+                    events.append((E[i], -d.nbytes, t))
                 state[t] = _OUT
             for d in self.prefetch_after[i]:
                 t = d.tensor
@@ -408,19 +413,19 @@ class _Walk:
             j = bisect.bisect_left(starts, t) - 1
             return t + (delta[j] if j >= 0 else 0.0)
 
-        for rec in idx.trace.tensors.values():
+        for tid, rec in idx.trace.tensors.items():
             if rec.nbytes == 0:
                 continue
-            events.append((shift_alloc(rec.alloc), rec.nbytes))
+            events.append((shift_alloc(rec.alloc), rec.nbytes, tid))
             if rec.free is not None:
-                events.append((shift_free(rec.free), -rec.nbytes))
+                events.append((shift_free(rec.free), -rec.nbytes, tid))
         for t, nbytes in idx.trace.released:
-            events.append((shift_free(t), -nbytes))
+            events.append((shift_free(t), -nbytes, ""))
         events.sort()
         level = idx.trace.persistent_bytes
         curve = [(0.0, level)]
         peak, peak_time = level, 0.0
-        for time, dlt in events:
+        for time, dlt, _ in events:
             level += dlt
             curve.append((time, level))
             if level > peak:
@@ -442,6 +447,7 @@ class _Walk:
             idle_before=tuple(idle),
             restore_time=restore,
             swap_out_end=out_end,
+            events=tuple(events),
         )
 
     def _replay(self, d: RecomputeDecision, k: int, w0: float, state, ready, restore, events) -> float:
@@ -511,10 +517,11 @@ class _Walk:
                     )
                 state[out] = _IN
                 restore[out] = t_alloc
-                events.append((produced[first], nbytes))
+                events.append((produced[first], nbytes, out))
             elif nbytes:
-                events.append((produced[first], nbytes))
-                events.append((last_use[out], -nbytes))
+                label = f"{out}@replay{len(events)}"  # a temporary of this replay: a buffer of its own
+                events.append((produced[first], nbytes, label))
+                events.append((last_use[out], -nbytes, label))
         missing = keep.difference(produced)
         if missing:
             raise InfeasiblePlanError(f"the replay of {d.tensor!r} does not produce {sorted(missing)[0]!r}")

@@ -223,6 +223,8 @@ class ManagedStep:
                 # the policy whose plan runs (another than the step's policy after a measured arbitration), and each
                 # trial policy considered -> what came of it (policy.feedback, "measured arbitration")
                 "plan_policy": plan.policy if plan else None,
+                # which of its plans the policy chose (plan_capuchin's fallback: a half, "placed", "checkpoint")
+                "plan_fallback": dict(plan.options).get("fallback") if plan else None,
                 "trials": dict(st.tried),
                 "passive_only": st.passive_only,
                 "from_cache": st.from_cache,
@@ -903,7 +905,10 @@ class ManagedStep:
             self._end_trial(state, keep, why=f"median step {statistics.median(trial['seconds']):.3f} s against "
                                               f"{trial['incumbent_s']:.3f} s")
             return not keep
-        untried = [n for n in POLICIES[self.options.policy].trials if n not in state.tried and n != self.options.policy]
+        # (a trial that is the plan running, chosen by the policy's own fallback, is not tried again)
+        running_as = dict(state.plan.options).get("fallback") if state.plan is not None else None
+        untried = [n for n in POLICIES[self.options.policy].trials
+                   if n not in state.tried and n not in (self.options.policy, running_as)]
         if not self.safety_net or not untried or state.replans >= self.options.max_replans:
             return None
         if not wants_trial(record.waited_s, record.seconds):

@@ -1,0 +1,109 @@
+"""Where a plan's buffers would go on the device: the simulator's timeline replayed through a best-fit placement.
+Pure Python: no TensorFlow.
+
+The simulator counts bytes; the device allocator (BFC) needs one free run for each buffer. When the free memory is
+in pieces smaller than an allocation, a guided step evicts on demand although the plan's bytes fit (docs/decisions.md,
+"A plan's placement is predicted"). This module replays a simulated step's buffers (SimulationResult.events) into one
+address space, each allocation in the smallest free run that holds it, lowest address first (BFC's choice for a
+chunk it can split), the space growing at its top when no run holds it. The top it reaches over the most bytes live
+at once is the plan's fragmentation: what the device needs beyond the byte peak.
+
+A model, not the allocator: BFC's bins, its region boundaries and the small-tensor pool are left out (allocations of
+at most SMALL_BYTES go to the pool of their own, cc/kernels/device_allocator.h, and are not placed).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Iterable
+
+GRANULE = 256  # BFC rounds every allocation up to a multiple of this
+SMALL_BYTES = 64 * 1024  # CapuchinAllocator::kSmallPoolMaxAllocationBytes: smaller allocations have a pool of their own
+
+
+def rounded(n: int) -> int:
+    return max(GRANULE, (n + GRANULE - 1) // GRANULE * GRANULE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """What the best-fit replay of one step found (bytes; only allocations of more than SMALL_BYTES)."""
+
+    extent: int  # the highest address the placed buffers reach
+    live_peak: int  # the most bytes of those buffers live at once
+    allocations: int
+
+    @property
+    def fragmentation(self) -> int:
+        """The device the placement needs beyond the bytes live at once."""
+        return self.extent - self.live_peak
+
+
+class _Space:
+    """Free runs by address below `top`; everything at and above `top` is free."""
+
+    def __init__(self) -> None:
+        self.free: list[tuple[int, int]] = []  # (address, size), sorted by address, never adjacent
+        self.top = 0
+
+    def alloc(self, n: int) -> int:
+        best = None
+        for a, s in self.free:
+            if s >= n and (best is None or s < best[1]):
+                best = (a, s)
+                if s == n:
+                    break
+        if best is None:  # no run holds it: the space grows, from the run that ends at the top if there is one
+            if self.free and sum(self.free[-1]) == self.top:
+                a, _ = self.free.pop()
+            else:
+                a = self.top
+            self.top = a + n
+            return a
+        a, s = best
+        i = bisect.bisect_left(self.free, (a, 0))
+        if s == n:
+            self.free.pop(i)
+        else:
+            self.free[i] = (a + n, s - n)
+        return a
+
+    def release(self, a: int, n: int) -> None:
+        i = bisect.bisect_left(self.free, (a, 0))
+        if i < len(self.free) and self.free[i][0] == a + n:  # coalesce with the run above
+            n += self.free.pop(i)[1]
+        if i > 0 and sum(self.free[i - 1]) == a:  # and with the run below
+            a0, s0 = self.free.pop(i - 1)
+            a, n, i = a0, s0 + n, i - 1
+        if a + n == self.top:
+            self.top = a
+        else:
+            self.free.insert(i, (a, n))
+
+
+def place(events: Iterable[tuple[float, int, str]], small_bytes: int = SMALL_BYTES) -> Placement:
+    """Best-fit placement of a step's buffers: `events` as in SimulationResult.events (time order; an allocation
+    labelled with a tensor gives it a buffer, a free with its label frees that buffer; frees of unknown labels,
+    persistent releases among them, are left out)."""
+    space = _Space()
+    where: dict[str, tuple[int, int]] = {}
+    extent = live = live_peak = count = 0
+    for _, delta, label in events:
+        if delta > 0:
+            if delta <= small_bytes:
+                continue
+            n = rounded(delta)
+            key = label
+            while key in where:  # allocated again before it was freed: a buffer of its own
+                key += "'"
+            where[key] = (space.alloc(n), n)
+            count += 1
+            live += n
+            live_peak = max(live_peak, live)
+            extent = max(extent, space.top)
+        elif delta < 0 and label in where:
+            a, n = where.pop(label)
+            space.release(a, n)
+            live -= n
+    return Placement(extent=extent, live_peak=live_peak, allocations=count)
