@@ -28,6 +28,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--trace-out")
     p.add_argument("--trace-in")
+    p.add_argument("--planned-layout", action="store_true", help="guided steps use the planned layout")
+    p.add_argument("--plan-cache", help="a plan cache directory: a second run with it runs the first run's plan")
     a = p.parse_args()
 
     from capuchin_tf.core.access_trace import AccessTrace
@@ -51,7 +53,7 @@ def main() -> int:
 
         setup = models.build(a.model, a.batch)
         step = capuchin_tf.function(setup.train_step, memory_budget=budget, policy=a.policy, link=a.link,
-                                    feedback=False)
+                                    feedback=False, planned_layout=a.planned_layout, plan_cache=a.plan_cache)
         for _ in range(a.steps):
             step(*setup.inputs)
         (state,) = step.states().values()
@@ -59,7 +61,9 @@ def main() -> int:
         trace, device_model = state.trace, state.plan.device
         result.update(commit=git_commit(), machine=machine(), ran_policy=a.policy,
                       ran_options=dict(state.plan.options),
-                      guided=[{k: s.get(k) for k in ("seconds", "peak_bytes", "passive_evicted_bytes")}
+                      planned_layout=a.planned_layout, from_cache=bool(state.from_cache),
+                      guided=[{k: s.get(k) for k in ("seconds", "peak_bytes", "passive_evicted_bytes",
+                                                     "layout_bytes", "layout_misses")}
                               for s in report["steps"][1:]])
         if a.trace_out:
             with open(a.trace_out, "w") as f:
