@@ -16,7 +16,6 @@ the predicted and measured peaks per step and the live set at the record's peak;
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import json
 import os
@@ -46,29 +45,12 @@ def live_at_peak(record: dict) -> tuple[int, list[tuple[str, int, int, int]]]:
 
 
 def simulated_live(trace, sim, at: float) -> list[tuple[str, int]]:
-    """The trace's tensors the simulation has on the device at time `at` (its own clock): allocated and not freed,
-    with the op delays shifted in as the simulator does, and not evicted then (between the eviction's end and the
-    swap-in's start or the replay). Replays' own intermediates are left out; largest first."""
-    starts = [o.start for o in trace.ops]
-    delta = [s - o for s, o in zip(sim.op_start, starts)]
+    """The trace's tensors the simulation has on the device at time `at` (its own clock), from the simulator's
+    labelled events (policy/placement.py `live_at`): allocated and not freed or evicted by then. Replays' own
+    intermediates (labels of their own) and persistent releases are left out; largest first."""
+    from capuchin_tf.policy.placement import live_at
 
-    def shift(t: float, right: bool) -> float:
-        j = (bisect.bisect_right if right else bisect.bisect_left)(starts, t) - 1
-        return t + (delta[j] if j >= 0 else 0.0)
-
-    out = []
-    for rec in trace.tensors.values():
-        if rec.nbytes == 0:
-            continue
-        alloc = shift(rec.alloc, True)
-        free = float("inf") if rec.free is None else shift(rec.free, False)
-        if not alloc <= at < free:
-            continue
-        gone = sim.swap_out_end.get(rec.id)
-        if gone is not None and gone <= at < sim.restore_time.get(rec.id, float("inf")):
-            continue
-        out.append((rec.id, rec.nbytes))
-    return sorted(out, key=lambda r: -r[1])
+    return sorted(((t, n) for t, n in live_at(sim.events, at).items() if t in trace.tensors), key=lambda r: -r[1])
 
 
 def main() -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 GRANULE = 256  # BFC rounds every allocation up to a multiple of this
 SMALL_BYTES = 64 * 1024  # CapuchinAllocator::kSmallPoolMaxAllocationBytes: smaller allocations have a pool of their own
@@ -82,28 +82,63 @@ class _Space:
             self.free.insert(i, (a, n))
 
 
+def buffer_events(events: Iterable[tuple[float, int, str]]) -> Iterator[tuple[float, int, str]]:
+    """`events` (SimulationResult.events, in time order) as the allocations and frees of buffers, each free with the
+    key of the allocation it frees: a free of a buffer not live (a persistent release, or an eviction sorted before
+    the production it follows at the same instant) is dropped, and an allocation at the instant of such a dropped
+    free of its label is a buffer of no lifetime, dropped with it; a label allocated again while live gets a key of
+    its own."""
+    live: set[str] = set()
+    dropped: dict[str, float] = {}
+    for when, delta, label in events:
+        if delta > 0:
+            if dropped.get(label) == when:
+                del dropped[label]
+                continue
+            key = label
+            while key in live:
+                key += "'"
+            live.add(key)
+            yield when, delta, key
+        elif delta < 0:
+            if label in live:
+                live.discard(label)
+                yield when, delta, label
+            else:
+                dropped[label] = when
+
+
+def live_at(events: Iterable[tuple[float, int, str]], at: float) -> dict[str, int]:
+    """Label -> bytes of the buffers live at time `at` (allocated at or before it, not freed by then)."""
+    live: dict[str, int] = {}
+    for when, delta, key in buffer_events(events):
+        if when > at:
+            break
+        if delta > 0:
+            live[key] = delta
+        else:
+            live.pop(key, None)
+    return live
+
+
 def place(events: Iterable[tuple[float, int, str]], small_bytes: int = SMALL_BYTES) -> Placement:
-    """Best-fit placement of a step's buffers: `events` as in SimulationResult.events (time order; an allocation
-    labelled with a tensor gives it a buffer, a free with its label frees that buffer; frees of unknown labels,
-    persistent releases among them, are left out)."""
+    """Best-fit placement of a step's buffers (`events` as in SimulationResult.events, paired by buffer_events);
+    buffers of at most `small_bytes` are left out."""
     space = _Space()
     where: dict[str, tuple[int, int]] = {}
     extent = live = live_peak = count = 0
-    for _, delta, label in events:
+    for _, delta, key in buffer_events(events):
         if delta > 0:
             if delta <= small_bytes:
                 continue
             n = rounded(delta)
-            key = label
-            while key in where:  # allocated again before it was freed: a buffer of its own
-                key += "'"
             where[key] = (space.alloc(n), n)
             count += 1
             live += n
             live_peak = max(live_peak, live)
             extent = max(extent, space.top)
-        elif delta < 0 and label in where:
-            a, n = where.pop(label)
+        elif key in where:
+            a, n = where.pop(key)
             space.release(a, n)
             live -= n
     return Placement(extent=extent, live_peak=live_peak, allocations=count)

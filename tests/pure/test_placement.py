@@ -6,7 +6,7 @@ from test_simulator import LINK, five_ops, swap
 from capuchin_tf.core import synthetic
 from capuchin_tf.policy import make_plan
 from capuchin_tf.policy.hybrid import placed_cost
-from capuchin_tf.policy.placement import place
+from capuchin_tf.policy.placement import live_at, place
 from capuchin_tf.policy.simulator import simulate
 
 
@@ -61,3 +61,14 @@ def test_capuchin_costs_its_plans_with_their_placement_and_returns_the_cheapest_
         other = make_plan(trace, budget, policy, LINK)
         if other.feasible:
             assert placed_cost(chosen, budget) <= placed_cost(other, budget) * 1.0001, policy
+
+
+def test_an_eviction_at_the_instant_of_its_production_frees_that_buffer():
+    """The simulator sorts a free before an allocation at the same time, so a tensor evicted right as it is made has
+    its eviction first: the buffer is of no lifetime, and the swap-in later is its only buffer (it leaked, and the
+    swap-in counted twice, before buffer_events paired them)."""
+    events = [(1, -4 * MB, "a"), (1, 4 * MB, "a"), (2, 4 * MB, "b"), (3, 4 * MB, "a"), (4, -4 * MB, "a"),
+              (5, -4 * MB, "b")]
+    p = place(events)
+    assert (p.live_peak, p.extent, p.allocations) == (8 * MB, 8 * MB, 2)
+    assert live_at(events, 3) == {"a": 4 * MB, "b": 4 * MB} and live_at(events, 1) == {}
