@@ -543,24 +543,28 @@ from capuchin_tf.cli import models
 
 feedback.TRIAL_FRACTION = {fraction}  # 0: any settled guided step opens the trial (the test forces one)
 feedback.TRIAL_PREDICTION_SLACK = float("inf")  # and every candidate that fits is tried, whatever its predicted time
+# and the margin is made with a learned placement error of 4 MiB whatever the steps evicted on demand
+from capuchin_tf.runtime import managed_step
+managed_step.placement_error = lambda plan, budget, evicted: 4 << 20
 setup = models.build("transformer", 32)
 if {budget}:
     step = capuchin_tf.function(setup.train_step, memory_budget={budget}, policy="capuchin", link="p100")
     losses = [step(*setup.inputs) for _ in range({steps})]
     (report,) = step.report().values()
     result = dict(trials=report["trials"], plan_policy=report["plan_policy"], plan_budget=report["plan_budget_bytes"],
+                  placement_error=report["placement_error_bytes"],
                   phases=[s["phase"] for s in report["steps"]], peaks=[s["peak_bytes"] for s in report["steps"]])
 """ + _RESULT_TAIL
 # The quick tier's transformer at persistent + half its transient peak (docs/results.md, the quick tier's suite).
-TRIAL_BUDGET_MB, TRIAL_STEPS = 79, 10
+TRIAL_BUDGET_MB, TRIAL_STEPS = 79, 14
 
 
 def test_a_measured_arbitration_tries_its_candidates_in_order_and_the_step_stays_bit_for_bit(simulated_device):
     """Measured arbitration (policy.feedback, "measured arbitration"), forced: from the second guided step on, the
-    capuchin policy's trials run in order (its own plan for the budget less what was evicted on demand, then the
-    checkpoint plan, then the recomputation half's), each for two measured steps after the one that instantiates it,
-    and stay or are dropped; every step is guided, under the budget on a device twice its size, with plain
-    TensorFlow's losses and variables."""
+    capuchin policy's trials run in order (its own plan made again with the placement error its steps were measured
+    to have, then the checkpoint plan, then the recomputation half's), each for two measured steps after the one that
+    instantiates it, and stay or are dropped; every step is guided, under the budget on a device twice its size, with
+    plain TensorFlow's losses and variables."""
     plain = simulated_device(TRIAL.format(fraction=0.0, budget=0, steps=TRIAL_STEPS), limit_mb=4096, timeout=600)
     result = simulated_device(TRIAL.format(fraction=0.0, budget=TRIAL_BUDGET_MB * MiB, steps=TRIAL_STEPS),
                               limit_mb=2 * TRIAL_BUDGET_MB, timeout=900)
@@ -569,8 +573,8 @@ def test_a_measured_arbitration_tries_its_candidates_in_order_and_the_step_stays
     concluded = [name for name, outcome in trials.items() if outcome.startswith(("kept", "dropped"))]
     assert concluded, trials
     kept = [name for name in concluded if trials[name].startswith("kept")]
-    if trials["margin"].startswith("kept"):
-        assert result["plan_budget"] < TRIAL_BUDGET_MB * MiB, result
+    if trials["margin"].startswith(("kept", "dropped")):
+        assert result["placement_error"] > 0, result  # the margin plan is made only from a learned error
     if not kept and not any(o == "on trial" for o in trials.values()):
         assert result["plan_policy"] == "capuchin" and result["plan_budget"] == TRIAL_BUDGET_MB * MiB, result
     assert result["phases"] == ["measured"] + ["guided"] * (TRIAL_STEPS - 1), result["phases"]

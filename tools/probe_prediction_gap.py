@@ -38,6 +38,7 @@ def main() -> int:
     from capuchin_tf import policy as policies
     from capuchin_tf.cli import models
     from capuchin_tf.cli.common import git_commit, machine
+    from capuchin_tf.policy import placement
     from capuchin_tf.policy.simulator import simulate
     from capuchin_tf.runtime import managed_step
     from capuchin_tf.tf import measure
@@ -112,6 +113,31 @@ def main() -> int:
                             if b >= 2**20 and t0 <= t_worst and (t1 is None or t1 > t_worst)),
                            key=lambda x: -x["bytes"])
     measured_peak = max(b for _, b in levels)
+    # Placement, measured against predicted: the step's allocations of more than SMALL_BYTES as BFC placed them (the
+    # highest end above the lowest start: the run of device they needed; the most of their bytes live at once) and
+    # the plan's simulated buffers placed by policy/placement.py.
+    spans, live_now, live_big_peak = [], 0, 0
+    addr_of = {}
+    for m in sorted(memory, key=lambda m: m.time):
+        if m.nbytes <= placement.SMALL_BYTES and m.addr not in addr_of:
+            continue
+        if m.allocation:
+            addr_of[m.addr] = m.nbytes
+            spans.append((m.addr, m.addr + m.nbytes))
+            live_now += m.nbytes
+            live_big_peak = max(live_big_peak, live_now)
+        elif m.addr in addr_of:
+            live_now -= addr_of.pop(m.addr)
+    measured_extent = (max(e for _, e in spans) - min(a for a, _ in spans)) if spans else 0
+    first = min(memory, key=lambda m: m.time)
+    at_start = first.in_use_after - (first.nbytes if first.allocation else -first.nbytes)
+    if spans:
+        print(f"large allocations between {min(a for a, _ in spans):#x} and {max(e for _, e in spans):#x}; "
+              f"{at_start / 2**20:.1f} MiB in use at the step's start")
+    predicted = placement.place(sim.events)
+    print(f"placement: measured run {measured_extent / 2**20:.1f} MiB for {live_big_peak / 2**20:.1f} MiB live at "
+          f"most (+{(measured_extent - live_big_peak) / 2**20:.1f}); predicted {predicted.extent / 2**20:.1f} MiB for "
+          f"{predicted.live_peak / 2**20:.1f} (+{predicted.fragmentation / 2**20:.1f})")
     print(f"plan: {plan.summary().splitlines()[0]}")
     print(f"predicted peak {plan.predicted_peak_bytes / 2**20:.1f} MiB; measured peak {measured_peak / 2**20:.1f} MiB")
     for r in rows[::max(1, len(rows) // 40)]:
@@ -125,6 +151,8 @@ def main() -> int:
               "batch": a.batch, "budget_mb": a.budget_mb, "policy": a.policy, "safety_net": a.safety_net,
               "device_mb": int(os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", 0)), "link": a.link,
               "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": measured_peak,
+              "measured_extent_bytes": measured_extent, "measured_large_live_peak_bytes": live_big_peak,
+              "predicted_extent_bytes": predicted.extent, "predicted_large_live_peak_bytes": predicted.live_peak,
               "swapped_tensors": len(plan.swaps), "recomputed_tensors": len(plan.recomputes),
               "largest_gap_op": worst["op"], "live_at_largest_gap": live_at_worst, "rows": rows}
     with open(a.json, "w") as f:

@@ -45,7 +45,8 @@ class Policy:
     runtime_options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     # Policies whose plans a managed step measures against this one's when its guided steps wait for copies on
     # demand (policy.feedback, "measured arbitration"); kept only if measured faster. "margin" (feedback.LEARNED_MARGIN)
-    # names this policy's own plan for the budget less the bytes the step evicted on demand.
+    # names this policy's own plan made again with the placement error its guided steps were measured to have
+    # (the policy takes `placement_error_bytes`).
     trials: tuple[str, ...] = ()
 
     def __call__(self, *args, **kwargs) -> Plan:
@@ -82,9 +83,9 @@ register_policy("recompute-only", plan_recompute_only, safety_net=True)
 # A step must run a plan that fits: when the hybrid greedy paints itself into a corner and one of its halves fits,
 # that half's plan runs (docs/policy.md, "fallback"); the policy benchmarks call plan_capuchin without it, so that they
 # compare the paper's algorithm as it is. Beyond the paper, when the copies on demand make guided steps slow, a managed
-# step measures against the plan that runs: its own plan for the budget less what was evicted on demand (a learned
-# margin), then the checkpoint plan, then the recomputation half's (policy.feedback, "measured arbitration");
-# Capuchin's halves, run as baselines, do not.
+# step measures against the plan that runs: its own plan made again with the placement error its guided steps were
+# measured to have (a learned margin), then the checkpoint plan, then the recomputation half's (policy.feedback,
+# "measured arbitration"); Capuchin's halves, run as baselines, do not.
 register_policy("capuchin", plan_capuchin, safety_net=True, runtime_options={"fallback": True},
                 trials=("margin", "checkpoint", "recompute-only"))
 

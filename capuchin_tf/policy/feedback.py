@@ -112,9 +112,11 @@ def tighter_plan(plan_for: Callable[[int], Plan], current_budget: int,
 # guided step waits for copies on demand for at least TRIAL_FRACTION of its time, the plans of the policy's `trials`
 # (policy.Policy) are tried, each for TRIAL_STEPS measured steps (after the first, which instantiates the new step),
 # and kept only when measured faster than the plan that ran; a plan predicted slower than the incumbent was measured
-# is not tried (trial_may_win). The trial LEARNED_MARGIN is the policy's own plan for its plan budget less the most
-# its steps evicted on demand: what the plan was measured to need beyond its prediction (docs/decisions.md, "A learned
-# margin").
+# is not tried (trial_may_win). The trial LEARNED_MARGIN is the policy's own plan made again with what the running
+# plan's steps were measured to need beyond its predicted placement (placement_error; the policy's
+# `placement_error_bytes`, hybrid.plan_capuchin): the plan's model learns from the measured step (docs/decisions.md,
+# "A learned placement error"). It may start from the first guided step of a plan (the bytes it evicted on demand are
+# the evidence; its time, an instantiation, is not compared until a later step has run).
 ON_DEMAND_KINDS = ("passive_eviction", "evicted_get", "copy_wait", "device_move")  # core/stalls.py, lower case
 TRIAL_FRACTION = 0.05
 # None since 0bdc7aa (it was 5%): plans run over their predicted peak (docs/decisions.md, "A learned margin"), and a
@@ -123,7 +125,7 @@ TRIAL_PEAK_SLACK = 0.0
 TRIAL_STEPS = 2
 TRIAL_KEEP = 0.97  # the trial plan is kept when its median step is at most this fraction of the incumbent's
 TRIAL_PREDICTION_SLACK = 0.15  # a trial plan predicted slower than the incumbent's measured step by more is not tried
-LEARNED_MARGIN = "margin"  # a `trials` entry: the policy's own plan, for the budget less what was evicted on demand
+LEARNED_MARGIN = "margin"  # a `trials` entry: the policy's own plan, with the placement error guided steps measured
 
 
 def on_demand_s(waited: Mapping[str, float]) -> float:
@@ -157,16 +159,18 @@ def trial_keeps(incumbent_s: float, trial_steps_s) -> bool:
     return statistics.median(trial_steps_s) <= TRIAL_KEEP * incumbent_s
 
 
-def margin_budget(plan_budget: int, evicted_on_demand: int, floor: int) -> int | None:
-    """The plan budget of a LEARNED_MARGIN trial: `plan_budget` less the bytes guided steps evicted on demand (what
-    their plan needed beyond the memory it was predicted to use: the most of any of its steps, which the margin must
-    cover); None when nothing was evicted or that is not above the working-set `floor`."""
-    budget = plan_budget - evicted_on_demand
-    return budget if evicted_on_demand > 0 and budget > floor else None
+def placement_error(plan: Plan, budget: int, evicted_on_demand: int) -> int:
+    """What a plan's guided steps were measured to need beyond its predicted placed peak on a device of `budget`
+    bytes: they needed the device and the bytes they evicted on demand (the most of any of its steps), so that much
+    over the placed peak; 0 when nothing was evicted (no evidence either way) or the placement predicted more."""
+    if evicted_on_demand <= 0:
+        return 0
+    return max(0, int(budget) + int(evicted_on_demand) - plan.predicted_placed_peak_bytes)
 
 
 def margin_candidate(plan: Plan, incumbent: Plan | None, budget: int) -> bool:
-    """Whether a LEARNED_MARGIN trial's `plan` may be tried: a trial candidate under the real `budget`, and predicted
+    """Whether a LEARNED_MARGIN trial's `plan` may be tried: a trial candidate under the real `budget`, and placed
     below the plan that ran (else it is that plan again, or one the planner cannot bring lower)."""
-    return trial_candidate(plan, budget) and (incumbent is None
-                                              or plan.predicted_peak_bytes < incumbent.predicted_peak_bytes)
+    if not trial_candidate(plan, budget):
+        return False
+    return incumbent is None or plan.predicted_placed_peak_bytes < incumbent.predicted_placed_peak_bytes

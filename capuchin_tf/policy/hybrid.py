@@ -28,6 +28,7 @@ from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.device_model import DeviceModel
 from capuchin_tf.core.plan import ON_DEMAND, Plan
 from capuchin_tf.core.trace_index import TraceIndex
+from capuchin_tf.policy import placement
 from capuchin_tf.policy.baselines import plan_checkpoint
 from capuchin_tf.policy.candidates import CandidatePair, candidate_pairs, make_context, recompute_pair
 from capuchin_tf.policy.common import finalize, fits, swap_decision
@@ -44,13 +45,14 @@ from capuchin_tf.policy.simulator import InfeasiblePlanError, simulate
 from capuchin_tf.policy.swap import SwapOption, SwapPlanner
 
 HALF_MARGIN = 0.01  # another plan replaces a fitting hybrid plan only when predicted this much cheaper (plan_capuchin)
-PLACED_ROUNDS = 2  # the hybrid is planned again at most this often for its placement's needs (plan_capuchin)
+PLACED_ROUNDS = 2  # a greedy is planned again at most this often for its placement's needs (plan_capuchin)
 MAX_SCAN = 16  # swap pairs evaluated per pick when looking for one that covers the predicted peak (64 was
 # slower and no better on the measured ResNet50, bert-4l and BERT-base traces: docs/results.md)
 
 
 def plan_capuchin(
-    trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, *, fallback: bool = False, **options
+    trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, *, fallback: bool = False,
+    placement_error_bytes: int | None = None, **options
 ) -> Plan:
     """Capuchin's hybrid policy: free swaps first, then the cheaper of swap and recompute (Algorithm 1).
 
@@ -58,10 +60,15 @@ def plan_capuchin(
     its sources on the device where a swap was needed later), or pick a mix its own simulator predicts slower than one
     of its halves; and a plan whose bytes fit can still need more device than the budget once its buffers are placed
     (policy/placement.py), which a guided step pays in copies on demand. So more plans are made: the two halves, the
-    hybrid for the budget less what its placement needs beyond it (``placed``), and the checkpoint plan; each is
+    hybrid and each half for the budget less what its placement needs beyond it (``placed``, ``swap-only placed``,
+    ``recompute-only placed``), and the checkpoint plan; each is
     costed at its predicted step plus the copies its placed peak over the budget would take (`placed_cost`), and the
     cheapest that fits is returned (the hybrid unless another is more than HALF_MARGIN cheaper; still named
-    ``capuchin``, ``options["fallback"]`` says which plan it is); if none fits, the hybrid plan is returned."""
+    ``capuchin``, ``options["fallback"]`` says which plan it is); if none fits, the hybrid plan is returned.
+
+    ``placement_error_bytes``: how much more device than their placed peak plans are taken to need (the runtime's
+    feedback.placement_error, learned from guided steps; at least placement.reserve, the step's largest buffer, the
+    default); every plan is costed, and placed again, as if the device were that much smaller."""
     started = time.perf_counter()
     report: dict = {}
     index = options.pop("index", None) or TraceIndex(trace)
@@ -69,36 +76,44 @@ def plan_capuchin(
         trace, budget_bytes, device_model, policy="capuchin", swap=True, recompute=True, _report=report, index=index,
         **options,
     )
+    prior = placement.reserve(t.nbytes for t in trace.tensors.values())
+    placement_error_bytes = max(prior, int(placement_error_bytes or 0))
+    learned = {"placement_error": placement_error_bytes} if placement_error_bytes > 0 else {}
     if not fallback or plan.unreachable_op is not None or report.get("hopeless"):
-        return plan  # (hopeless: even evicting every candidate could not bring that op under the budget)
+        # (hopeless: even evicting every candidate could not bring that op under the budget)
+        return dataclasses.replace(plan, options=tuple(sorted(dict(plan.options, **learned).items())))
+    device = budget_bytes - placement_error_bytes  # what the placement may use
     others = []
-    for half, sw, rc in (("swap-only", True, False), ("recompute-only", False, True)):
-        others.append((half, hybrid(trace, budget_bytes, device_model, policy="capuchin", swap=sw, recompute=rc,
-                                    index=index, **options)))
-    placed = plan
-    for _ in range(PLACED_ROUNDS):
-        excess = placed.predicted_placed_peak_bytes - budget_bytes
-        if excess <= 0 or placed.budget_bytes - excess <= trace.persistent_bytes:
-            break
-        placed = hybrid(trace, placed.budget_bytes - excess, device_model, policy="capuchin", swap=True,
-                        recompute=True, index=index, **options)
-        if not placed.feasible:
-            break
-        others.append(("placed", placed))
+    for half, sw, rc in (("", True, True), ("swap-only", True, False), ("recompute-only", False, True)):
+        made = plan if not half else hybrid(trace, budget_bytes, device_model, policy="capuchin", swap=sw,
+                                            recompute=rc, index=index, **options)
+        if half:
+            others.append((half, made))
+        # The same greedy planned again for the budget less what its placement needs beyond the device.
+        for _ in range(PLACED_ROUNDS):
+            excess = made.predicted_placed_peak_bytes - device
+            if excess <= 0 or made.budget_bytes - excess <= trace.persistent_bytes:
+                break
+            made = hybrid(trace, made.budget_bytes - excess, device_model, policy="capuchin", swap=sw,
+                          recompute=rc, index=index, **options)
+            if not made.feasible:
+                break
+            others.append((f"{half} placed" if half else "placed", made))
     others.append(("checkpoint", plan_checkpoint(trace, budget_bytes, device_model, index=index,
                                                  margin_bytes=options.get("margin_bytes"))))
-    own = placed_cost(plan, budget_bytes) if plan.feasible else float("inf")
-    fitting = [(placed_cost(p, budget_bytes), name, p) for name, p in others
+    own = placed_cost(plan, device) if plan.feasible else float("inf")
+    fitting = [(placed_cost(p, device), name, p) for name, p in others
                if p.feasible and p.predicted_peak_bytes <= budget_bytes
-               and placed_cost(p, budget_bytes) < own * (1 - HALF_MARGIN)]
+               and placed_cost(p, device) < own * (1 - HALF_MARGIN)]
     if not fitting:
-        return dataclasses.replace(plan, planning_s=time.perf_counter() - started)
+        return dataclasses.replace(plan, options=tuple(sorted(dict(plan.options, **learned).items())),
+                                   planning_s=time.perf_counter() - started)
     _, name, best = min(fitting, key=lambda x: x[:2])
     return dataclasses.replace(
         best,
         policy="capuchin",
         budget_bytes=budget_bytes,
-        options=tuple(sorted(dict(best.options, fallback=name).items())),
+        options=tuple(sorted(dict(best.options, fallback=name, **learned).items())),
         planning_s=time.perf_counter() - started,
     )
 

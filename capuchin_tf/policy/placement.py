@@ -108,6 +108,14 @@ def buffer_events(events: Iterable[tuple[float, int, str]]) -> Iterator[tuple[fl
                 dropped[label] = when
 
 
+def reserve(tensor_bytes: Iterable[int]) -> int:
+    """The placement error assumed before any step was measured: the largest buffer of the step (a kernel's
+    temporary included). A placement that is off by as little as one buffer's run needs up to that much more device
+    for it; without the room, that buffer's allocation is where a guided step evicts on demand (docs/decisions.md,
+    "A learned placement error")."""
+    return max((int(n) for n in tensor_bytes), default=0)
+
+
 def live_at(events: Iterable[tuple[float, int, str]], at: float) -> dict[str, int]:
     """Label -> bytes of the buffers live at time `at` (allocated at or before it, not freed by then)."""
     live: dict[str, int] = {}

@@ -78,8 +78,8 @@ from capuchin_tf.policy.feedback import (
     LEARNED_MARGIN,
     TIGHTEN,
     TRIAL_STEPS,
-    margin_budget,
     margin_candidate,
+    placement_error,
     plan_after_step,
     tighter_plan,
     trial_candidate,
@@ -226,6 +226,7 @@ class ManagedStep:
                 # which of its plans the policy chose (plan_capuchin's fallback: a half, "placed", "checkpoint")
                 "plan_fallback": dict(plan.options).get("fallback") if plan else None,
                 "trials": dict(st.tried),
+                "placement_error_bytes": st.placement_error,  # learned from the bytes evicted on demand
                 "passive_only": st.passive_only,
                 "from_cache": st.from_cache,
                 "speedup": st.speedup,
@@ -911,33 +912,38 @@ class ManagedStep:
                    if n not in state.tried and n not in (self.options.policy, running_as)]
         if not self.safety_net or not untried or state.replans >= self.options.max_replans:
             return None
+        # What the running plan's steps (the one that instantiated it included) needed beyond its predicted
+        # placement: the most any of them evicted on demand (it varies from step to step on one plan: 14 or 33 MiB on
+        # the quick tier's transformer). Learned for the signature, the largest seen (docs/decisions.md, "A learned
+        # placement error").
+        own = [r for r in state.history[-(state.steps_since_change + 1):] if r.phase == "guided"] or [record]
+        evicted = max(r.passive_evicted_bytes for r in own)
+        state.placement_error = max(state.placement_error,
+                                    placement_error(state.plan, self.options.budget_bytes or state.plan_budget,
+                                                    evicted))
         if not wants_trial(record.waited_s, record.seconds):
             return None
-        if state.steps_since_change < 1:
+        early = state.steps_since_change < 1
+        if early and (LEARNED_MARGIN not in untried or state.placement_error <= 0):
             # The first step of a plan instantiates it: the next one, unchanged, is the one the trial is measured
             # against (moving triggers for late prefetches first would put the trial off by a step per change).
+            # Only the learned margin starts now: its evidence is the bytes evicted on demand, and it is measured
+            # against the steps that run while it is built.
             return False
         device_model = self._device_model(state.trace, state)
-        # The steps of the plan that runs, after the one that instantiated it (this one included).
-        ran = [r for r in state.history[-state.steps_since_change:]
-               if r.phase == "guided" and not r.building] or [record]
         candidates = []
-        for name in untried:
-            budget = state.plan_budget
+        for name in ([LEARNED_MARGIN] if early else untried):
+            options = {}
             if name == LEARNED_MARGIN:
-                # The policy's own plan for the budget less the most its steps evicted on demand: what the plan was
-                # measured to need beyond its prediction (docs/decisions.md, "A learned margin"). The bytes evicted
-                # on demand vary from step to step on one plan (14 or 33 MiB on the quick tier's transformer).
-                evicted = max(r.passive_evicted_bytes for r in ran)
-                budget = margin_budget(state.plan_budget, evicted, state.floor_bytes)
-                if budget is None:
-                    state.tried[name] = (f"not tried: {evicted} bytes evicted on demand, floor {state.floor_bytes} "
-                                         "bytes")
+                # The policy's own plan made again with the placement error learned so far.
+                if state.placement_error <= 0:
+                    state.tried[name] = "not tried: nothing evicted on demand beyond the predicted placement"
                     continue
-            candidates.append((name, budget))
+                options = {"placement_error_bytes": state.placement_error}
+            candidates.append((name, options))
         if not candidates:
             return None
-        incumbent_s = statistics.median([r.seconds for r in ran[-3:]])
+        incumbent_s = self._incumbent_s(state, record)
         plan_budget, running, speedup = state.plan_budget, state.plan, state.speedup
         dtypes, shapes = self._tensor_info(state)
         if self.options.verbose:
@@ -948,11 +954,12 @@ class ManagedStep:
             """The first candidate that plans, is predicted to fit, and builds: (what came of each, (name, plan,
             budget, fn, GraphDef) or None). Planning and building only: it runs in a background build too."""
             tried = {}
-            for name, budget in candidates:
+            budget = plan_budget
+            for name, learned in candidates:
                 # The margin is this policy's own plan, made as its other plans are; other trials are their policies
                 # as they are.
-                policy, options = ((self.options.policy, self.options.planner_options()) if name == LEARNED_MARGIN
-                                   else (name, {}))
+                policy, options = ((self.options.policy, {**self.options.planner_options(), **learned})
+                                   if name == LEARNED_MARGIN else (name, {}))
                 try:
                     plan = make_plan(state.trace, budget, policy, device_model, **options)
                 except Exception as e:  # a trial is an optimization: a policy that cannot plan this step is not tried
@@ -961,9 +968,12 @@ class ManagedStep:
                 fits = (margin_candidate(plan, running, plan_budget) if name == LEARNED_MARGIN
                         else trial_candidate(plan, plan_budget))
                 if not fits:
-                    tried[name] = (f"not tried: predicted peak {plan.predicted_peak_bytes} bytes for a budget of "
-                                   f"{plan_budget}" if plan.unreachable_op is None else
-                                   f"not tried: op {plan.unreachable_op!r} does not fit")
+                    tried[name] = (f"not tried: op {plan.unreachable_op!r} does not fit"
+                                   if plan.unreachable_op is not None else
+                                   f"not tried: predicted peak {plan.predicted_peak_bytes} bytes for a budget of "
+                                   f"{plan_budget}" if plan.predicted_peak_bytes > plan_budget else
+                                   f"not tried: placed at {plan.predicted_placed_peak_bytes} bytes, not below the "
+                                   f"running plan's {running.predicted_placed_peak_bytes}")
                     continue
                 if not trial_may_win(plan, incumbent_s, speedup):
                     tried[name] = (f"not tried: predicted {plan.predicted_step_s / speedup:.3f} s a step against "
@@ -987,19 +997,33 @@ class ManagedStep:
                 return False
             name, plan, budget, fn, graph_def = found
             incumbent = (state.plan, state.plan_budget, state.fn, state.guided_def)
+            # Started at the instantiating step: measured against the incumbent's steps that ran since.
+            against = self._incumbent_s(state, record) if early else incumbent_s
             self._commit(state, plan, budget, fn, graph_def)
             state.replans += 1
-            state.trial = {"incumbent": incumbent, "incumbent_s": incumbent_s, "policy": name, "steps": 0,
+            state.trial = {"incumbent": incumbent, "incumbent_s": against, "policy": name, "steps": 0,
                            "seconds": []}
             state.tried[name] = "on trial"
+            fallback = dict(plan.options).get("fallback")
+            if name == LEARNED_MARGIN and fallback in POLICIES[self.options.policy].trials:
+                state.tried.setdefault(fallback, "not tried: it is the margin plan")
             if self.options.verbose:
                 print(f"capuchin_tf: trying the {name} plan (for {format_bytes(budget)}) against a median step of "
-                      f"{incumbent_s:.3f} s", flush=True)
+                      f"{against:.3f} s", flush=True)
             return True
 
         if self._in_background():
             return self._start_build(state, job, then)
         return then(job()) or None
+
+    @staticmethod
+    def _incumbent_s(state: SignatureState, record: StepRecord) -> float:
+        """The median of the running plan's last three guided steps after the one that instantiated it, those that
+        ran beside a build only if no other did; `record`'s when there are none."""
+        ran = ([r for r in state.history[-state.steps_since_change:] if r.phase == "guided"]
+               if state.steps_since_change >= 1 else [])
+        ran = [r for r in ran if not r.building] or ran or [record]
+        return statistics.median([r.seconds for r in ran[-3:]])
 
     def _end_trial(self, state: SignatureState, keep: bool, why: str) -> None:
         trial, state.trial = state.trial, None

@@ -79,6 +79,9 @@ class SignatureState:
     # the trial plan; seconds: those measured, after the first), and each policy considered -> what came of it.
     trial: dict | None = None
     tried: dict = dataclasses.field(default_factory=dict)
+    # What guided steps were measured to need beyond their plan's predicted placement (feedback.placement_error): the
+    # largest seen; the learned margin's plan is made with it.
+    placement_error: int = 0
     build: Any = None  # a plan change under way off the critical path (managed_step.Build), or None
 
 

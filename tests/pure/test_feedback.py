@@ -181,20 +181,24 @@ def test_a_trial_is_not_made_of_a_plan_predicted_slower_than_the_incumbent_was_m
     assert not trial_may_win(plan, incumbent_s=1.0, speedup=1.5)
 
 
-def test_a_learned_margin_plans_for_the_budget_less_what_was_evicted_on_demand_and_must_predict_lower():
-    """margin_budget: the plan budget less the bytes evicted on demand, none when nothing was or when that is not
-    above the floor; margin_candidate: a trial candidate under the real budget predicted below the plan that ran."""
+def test_the_placement_error_is_what_was_evicted_on_demand_beyond_the_predicted_placement():
+    """placement_error: the bytes evicted on demand less what the plan's placement predicted over the budget, never
+    negative, 0 without evictions; margin_candidate: a trial candidate under the real budget placed below the plan
+    that ran."""
     import dataclasses
 
-    from capuchin_tf.policy.feedback import margin_budget, margin_candidate
+    from capuchin_tf.policy.feedback import margin_candidate, placement_error
 
     mib = 2**20
-    assert margin_budget(200 * mib, 28 * mib, 120 * mib) == 172 * mib
-    assert margin_budget(200 * mib, 0, 120 * mib) is None
-    assert margin_budget(200 * mib, 80 * mib, 120 * mib) is None
+    placed = PLAN.predicted_placed_peak_bytes
+    assert placement_error(PLAN, placed, 15 * mib) == 15 * mib  # predicted to fit exactly, evicted 15 MiB
+    assert placement_error(PLAN, placed + 10 * mib, 15 * mib) == 25 * mib  # 10 MiB of room predicted, none seen
+    assert placement_error(PLAN, placed - 10 * mib, 15 * mib) == 5 * mib  # 10 of the 15 MiB were predicted
+    assert placement_error(PLAN, placed - 20 * mib, 15 * mib) == 0  # fewer than predicted: no error learned
+    assert placement_error(PLAN, placed, 0) == 0
     budget = PLAN.predicted_peak_bytes
-    higher = dataclasses.replace(PLAN, predicted_peak_bytes=PLAN.predicted_peak_bytes + 1)
+    higher = dataclasses.replace(PLAN, predicted_fragmentation_bytes=PLAN.predicted_fragmentation_bytes + 1)
     assert margin_candidate(PLAN, higher, budget)
-    assert not margin_candidate(PLAN, PLAN, budget)  # the same prediction: the same plan again
+    assert not margin_candidate(PLAN, PLAN, budget)  # the same placement: the same plan again
     assert margin_candidate(PLAN, None, budget)
     assert not margin_candidate(dataclasses.replace(PLAN, unreachable_op="x"), higher, budget)
