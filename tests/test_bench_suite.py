@@ -95,5 +95,7 @@ def test_a_quick_point_bit_for_bit_with_its_prediction(tmp_path, capfd):
     assert row["measured_step_ratio"] > 0 and row["settled_peak_bytes"] <= row["budget_mb"] * MiB
     point = json.loads((out / row["json"]).read_text())
     assert point["commit"] == data["commit"] and point["bitwise_equal"] is True
+    # every policy of the point over one p100 link: clocked by plain TensorFlow's step of the same run
+    assert point["managed"]["link_clock_s"] == point["plain"]["settled_median_step_s"] > 0
     assert (out / "suite.md").read_text().startswith("# bench suite: quick tier, link p100")
     assert (out / "throughput.png").stat().st_size > 0

@@ -131,6 +131,35 @@ def test_trains_under_a_budget_plain_tensorflow_cannot_fit_bit_for_bit(simulated
     assert_plan_fits_policy(policy, result["report"])
 
 
+CLOCKED = """
+import json
+import capuchin_tf
+from capuchin_tf.cli import models
+from capuchin_tf.frontend import decorator
+
+setup = models.build("cnn", 16)
+options = decorator.make_options("48MiB", policy="recompute-only", link="p100", link_clock_s={clock})
+step = decorator.wrap_step(setup.train_step, options)
+speedups = []
+for _ in range(4):
+    step(*setup.inputs)
+    (report,) = step.report().values()
+    speedups.append(report["speedup"])
+print(json.dumps(dict(speedups=speedups, trace_step_s=report["prediction"]["trace_step_s"],
+                      phases=[s["phase"] for s in report["steps"]])))
+"""
+
+
+def test_a_p100_link_with_a_clock_runs_at_that_clocks_rate_from_the_first_guided_step(simulated_device):
+    """Options.link_clock_s: the guided steps are taken to run at that clock from the measured step on (speedup:
+    the trace's step time over it), and the emulated link does not follow the steps' own speed (a clock far slower
+    than the steps: without the clock, the first guided step would raise the speedup)."""
+    clock = 10.0
+    result = simulated_device(CLOCKED.format(clock=clock), limit_mb=96, timeout=600)
+    assert result["phases"] == ["measured"] + ["guided"] * 3, result
+    assert result["speedups"] == [pytest.approx(result["trace_step_s"] / clock)] * 4, result
+
+
 CACHED = """
 import hashlib, json, warnings
 import numpy as np

@@ -64,6 +64,8 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-mb", type=whole_mib, required=True)
     p.add_argument("--policy", required=True)
     p.add_argument("--link", required=True)
+    p.add_argument("--link-clock-s", type=float, default=None,
+                   help="p100: a plain step's time, which fixes the emulated link's rate (Options.link_clock_s)")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--result", required=True)
     p.add_argument("--curve", help="write the last step's device-memory curve (JSON [[s, bytes], ...]) there")
@@ -129,8 +131,8 @@ def _run_worker(a: argparse.Namespace) -> int:
     budget = a.budget_mb * MiB
     device_mb = a.budget_mb if a.device_mb is None else a.device_mb
     result: dict = {
-        "model": a.model, "batch": a.batch, "policy": a.policy, "link": a.link, "steps": a.steps,
-        "budget_mb": a.budget_mb, "budget_bytes": budget, "device_mb": device_mb,
+        "model": a.model, "batch": a.batch, "policy": a.policy, "link": a.link, "link_clock_s": a.link_clock_s,
+        "steps": a.steps, "budget_mb": a.budget_mb, "budget_bytes": budget, "device_mb": device_mb,
         "device_limit_bytes": int(capuchin_tf.allocator_stats()["bytes_limit"]), "tf_version": tf.__version__,
         "capuchin_tf_version": capuchin_tf.__version__, "date": datetime.date.today().isoformat(),
         "machine": machine(), "ok": True, "error": None, "persistent_bytes": None, "peak_bytes": None,
@@ -172,7 +174,7 @@ def _run_worker(a: argparse.Namespace) -> int:
             # CAPUCHIN_TF_BACKGROUND_BUILDS=0: plan changes are built in the step that asks (for comparisons).
             # CAPUCHIN_TF_PLANNED_LAYOUT=1: guided steps allocate by the planned layout (for comparisons).
             layout = os.environ.get("CAPUCHIN_TF_PLANNED_LAYOUT", "0") not in ("", "0")
-            options = decorator.make_options(budget, policy=a.policy, link=a.link,
+            options = decorator.make_options(budget, policy=a.policy, link=a.link, link_clock_s=a.link_clock_s,
                                              passive_rescue=not a.stop_on_rescue,
                                              background_builds=os.environ.get("CAPUCHIN_TF_BACKGROUND_BUILDS",
                                                                               "1") != "0",
@@ -580,6 +582,15 @@ def plain_run(model: str, batch: int, link: str, steps: int, device_mb: int) -> 
     return plain
 
 
+def link_clock(plain: dict) -> float | None:
+    """The clock of the emulated p100 link for every policy compared with `plain` (plain_run): its settled median
+    step, so that they all run over one link whatever their own measured step's speed (Options.link_clock_s); None
+    on other links."""
+    if plain.get("link") != "p100":
+        return None
+    return plain.get("settled_median_step_s") or plain.get("median_step_s") or None
+
+
 def equal_point(plain: dict, policy: str, budget_mb: int, device_mb: int, transient_fraction: float | None = None,
                 echo=print, stop_on_rescue: bool = False) -> dict:
     """`policy` on `plain`'s model, batch, link and steps, in a fresh process on a device of `budget_mb` MiB,
@@ -588,6 +599,9 @@ def equal_point(plain: dict, policy: str, budget_mb: int, device_mb: int, transi
     first step passive mode would have to rescue: the policy does not run at this budget (`ok` false, its error)."""
     args = ["--model", plain["model"], "--batch", str(plain["batch"]), "--budget-mb", str(budget_mb), "--policy",
             policy, "--link", plain["link"], "--steps", str(plain["steps"])]
+    clock = link_clock(plain)
+    if clock is not None:
+        args += ["--link-clock-s", repr(clock)]
     if stop_on_rescue:
         args.append("--stop-on-rescue")
     managed = run_worker("bench-worker", args, budget_mb)

@@ -436,6 +436,10 @@ class ManagedStep:
                 return self._own_error_or_refuse(state, args, e, "measured step")
         seconds = time.perf_counter() - t0
         state.trace = trace
+        if self.options.link_clock_s is not None and trace.step_time > 0:
+            # The p100 link at a fixed clock (a plain step's time): the guided steps are taken to run that fast, and
+            # the emulated link does not follow them (Options.link_clock_s).
+            state.speedup = trace.step_time / self.options.link_clock_s
         state.history.append(StepRecord("measured", seconds, trace.peak_bytes, retried=retried))
         try:
             self._plan_and_rewrite(state, self.options.budget_bytes)
@@ -760,7 +764,8 @@ class ManagedStep:
             state.history.append(record)
             waited = stalls.waited_s
             relinked = False
-            if state.fn is not None and not retried and seconds - waited > 0 and state.trace.step_time > 0:
+            if (state.fn is not None and not retried and seconds - waited > 0 and state.trace.step_time > 0
+                    and self.options.link_clock_s is None):
                 speedup = max(1.0, state.trace.step_time / (seconds - waited))
                 if speedup > state.speedup:
                     # A link that now runs RELINK_FRACTION faster than the one this step ran on: its late and early

@@ -27,6 +27,10 @@ class Options:
     policy: a registered policy (`capuchin`, `swap-only`, `recompute-only`, `swap-all`, `checkpoint`, `tf`).
     link: `native` (swaps are memcpys), `p100` (a link emulated at the model's FLOP rate / 258 FLOP per byte) or a
         bandwidth in bytes/s.
+    link_clock_s: for `p100`, the time of one step of plain TensorFlow on this machine, which sets the FLOP rate
+        once: the link then runs at the step's FLOP count / link_clock_s / 258 bytes per second from the first guided
+        step on, whatever the measured step's clock (benchmarks compare policies over one link this way); None: the
+        rate of the measured step, corrected by the guided steps' own speed as they run.
     policy_options: extra keyword arguments of the policy, over the policy's own runtime defaults (the registry's).
     plan_cache: a directory; plans are stored there and reused by a restarted job.
     feedback: adjust the plan from late prefetches and the measured peak; max_replans bounds how often.
@@ -49,6 +53,7 @@ class Options:
     budget_bytes: int | None = None
     policy: str = "capuchin"
     link: str | float = "native"
+    link_clock_s: float | None = None
     policy_options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     plan_cache: str | None = None
     feedback: bool = True
@@ -90,6 +95,12 @@ class Options:
         if isinstance(link, bool) or not (link in LINK_NAMES or (isinstance(link, (int, float)) and link > 0)):
             raise ValueError(f"link must be one of {LINK_NAMES} or a bandwidth in bytes/s (a positive number), "
                              f"got {link!r}")
+        clock = self.link_clock_s
+        if clock is not None and (isinstance(clock, bool) or not isinstance(clock, (int, float)) or not clock > 0
+                                  or clock == float("inf")):
+            raise ValueError(f"link_clock_s must be a positive number of seconds, got {clock!r}")
+        if clock is not None and link != "p100":
+            raise ValueError(f"link_clock_s sets the p100 link's clock; the link is {link!r}")
         if not isinstance(self.policy_options, Mapping):
             raise TypeError(f"policy_options must be a mapping of option names to values, got {self.policy_options!r}")
         if self.plan_cache is not None and not isinstance(self.plan_cache, (str, os.PathLike)):

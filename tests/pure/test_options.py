@@ -32,6 +32,9 @@ def test_budgets_take_one_syntax_and_stay_within_the_device():
     ({"max_retries": 1.5}, ValueError, "max_retries must be a non-negative integer"),
     ({"max_signatures": 0}, ValueError, "max_signatures must be a positive integer"),
     ({"protect_steps": True}, ValueError, "protect_steps must be a non-negative integer"),
+    ({"link": "p100", "link_clock_s": 0.0}, ValueError, "link_clock_s must be a positive number"),
+    ({"link": "p100", "link_clock_s": "1s"}, ValueError, "link_clock_s must be a positive number"),
+    ({"link": "native", "link_clock_s": 0.5}, ValueError, "link_clock_s sets the p100 link's clock"),
     ({"budget_bytes": 5}, TypeError, "unknown option"),
     ({"colour": "red"}, TypeError, "unknown option"),
 ])
