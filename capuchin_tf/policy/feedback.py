@@ -115,8 +115,8 @@ def tighter_plan(plan_for: Callable[[int], Plan], current_budget: int,
 # is not tried (trial_may_win). The trial LEARNED_MARGIN is the policy's own plan made again with what the running
 # plan's steps were measured to need beyond its predicted placement (placement_error; the policy's
 # `placement_error_bytes`, hybrid.plan_capuchin): the plan's model learns from the measured step (docs/decisions.md,
-# "A learned placement error"). It may start from the first guided step of a plan (the bytes it evicted on demand are
-# the evidence; its time, an instantiation, is not compared until a later step has run).
+# "A placement error, assumed then learned"). It may start from the first guided step of a plan (the bytes it evicted
+# on demand are the evidence; its time, an instantiation, is not compared until a later step has run).
 ON_DEMAND_KINDS = ("passive_eviction", "evicted_get", "copy_wait", "device_move")  # core/stalls.py, lower case
 TRIAL_FRACTION = 0.05
 # None since 0bdc7aa (it was 5%): plans run over their predicted peak (docs/decisions.md, "A learned margin"), and a

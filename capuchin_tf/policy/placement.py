@@ -112,7 +112,7 @@ def reserve(tensor_bytes: Iterable[int]) -> int:
     """The placement error assumed before any step was measured: the largest buffer of the step (a kernel's
     temporary included). A placement that is off by as little as one buffer's run needs up to that much more device
     for it; without the room, that buffer's allocation is where a guided step evicts on demand (docs/decisions.md,
-    "A learned placement error")."""
+    "A placement error, assumed then learned")."""
     return max((int(n) for n in tensor_bytes), default=0)
 
 

@@ -919,8 +919,8 @@ class ManagedStep:
             return None
         # What the running plan's steps (the one that instantiated it included) needed beyond its predicted
         # placement: the most any of them evicted on demand (it varies from step to step on one plan: 14 or 33 MiB on
-        # the quick tier's transformer). Learned for the signature, the largest seen (docs/decisions.md, "A learned
-        # placement error").
+        # the quick tier's transformer). Learned for the signature, the largest seen (docs/decisions.md, "A placement
+        # error, assumed then learned").
         own = [r for r in state.history[-(state.steps_since_change + 1):] if r.phase == "guided"] or [record]
         evicted = max(r.passive_evicted_bytes for r in own)
         state.placement_error = max(state.placement_error,
