@@ -96,9 +96,11 @@ def main() -> int:
     started: dict[str, int] = {}
     for k in sorted(kernels, key=lambda k: k.start):
         started.setdefault(k.op, k.start)
-    rows = sorted((started[o.name], o.name, measured_at(started[o.name]), simulated_at(sim.op_start[i]))
+    rows = sorted((started[o.name], o.name, measured_at(started[o.name]), simulated_at(sim.op_start[i]), i)
                   for i, o in enumerate(trace.ops) if o.name in started)
-    rows = [{"op": op, "measured_bytes": m, "simulated_bytes": s} for _, op, m, s in rows]
+    t_first = rows[0][0] if rows else 0
+    rows = [{"op": op, "pos": i, "measured_bytes": m, "simulated_bytes": s, "measured_start_s": (t - t_first) / 1e9,
+             "simulated_start_s": sim.op_start[i]} for t, op, m, s, i in rows]
     worst = max(rows, key=lambda r: r["measured_bytes"] - r["simulated_bytes"])
     t_worst = started[worst["op"]]
     alive, lives = {}, []
@@ -147,6 +149,13 @@ def main() -> int:
           f"{(worst['measured_bytes'] - worst['simulated_bytes']) / 2**20:+.1f} MiB; buffers alive there:")
     for x in live_at_worst:
         print(f"  {x['bytes'] / 2**20:6.2f} MiB  {x['op']} ({x['region']})")
+    evictions = eviction_lags(plan, trace, sim, kernels, memory, started)
+    late = [e for e in evictions if e["measured_free_pos"] is not None and e["lag_ops"] > 0]
+    print(f"evicted tensors whose device buffer was freed later than simulated: {len(late)} of {len(evictions)}, "
+          f"{sum(e['nbytes'] for e in late) / 2**20:.1f} MiB")
+    for e in sorted(late, key=lambda e: -e["lag_ops"] * e["nbytes"])[:15]:
+        print(f"  {e['kind']:9s} {e['nbytes'] / 2**20:6.2f} MiB freed at op {e['measured_free_pos']:5d}, simulated "
+              f"{e['simulated_free_pos']:5d} (evicted after {e['evicted_pos']:5d}): {e['tensor'][:70]}")
     result = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": a.model,
               "batch": a.batch, "budget_mb": a.budget_mb, "policy": a.policy, "safety_net": a.safety_net,
               "device_mb": int(os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", 0)), "link": a.link,
@@ -154,10 +163,58 @@ def main() -> int:
               "measured_extent_bytes": measured_extent, "measured_large_live_peak_bytes": live_big_peak,
               "predicted_extent_bytes": predicted.extent, "predicted_large_live_peak_bytes": predicted.live_peak,
               "swapped_tensors": len(plan.swaps), "recomputed_tensors": len(plan.recomputes),
-              "largest_gap_op": worst["op"], "live_at_largest_gap": live_at_worst, "rows": rows}
+              "largest_gap_op": worst["op"], "live_at_largest_gap": live_at_worst, "evictions": evictions,
+              "rows": rows}
     with open(a.json, "w") as f:
         json.dump(result, f, indent=1)
     return 0
+
+
+def eviction_lags(plan, trace, sim, kernels, memory, started) -> list[dict]:
+    """Per evicted tensor of the plan: the op position at which the measured step freed the device buffer its
+    producer allocated (the first allocation of at least its bytes by its producing op; None when none is found or
+    it was never freed) and the position at which the simulator freed it, with the lag between them in ops."""
+    positions = sorted((started[o.name], i) for i, o in enumerate(trace.ops) if o.name in started)
+    starts = [t for t, _ in positions]
+
+    def measured_pos(t: int) -> int:
+        return positions[max(bisect.bisect_right(starts, t) - 1, 0)][1]
+
+    def simulated_pos(t: float) -> int:
+        return max(bisect.bisect_right(sim.op_start, t) - 1, 0)
+
+    frees: dict[int, list[int]] = {}
+    for m in memory:
+        if not m.allocation:
+            frees.setdefault(m.addr, []).append(m.time)
+    ends: dict[str, int] = {}
+    for k in kernels:
+        ends[k.op] = max(ends.get(k.op, 0), k.end)
+    out = []
+    for d in (*plan.swaps, *plan.recomputes):
+        producer = d.tensor.rsplit(":", 1)[0]
+        allocs = sorted((m.time, m.addr) for m in memory if m.allocation and m.op == producer and m.nbytes >= d.nbytes)
+        freed = None
+        if allocs:
+            t0, addr = allocs[0]
+            later = [t for t in frees.get(addr, ()) if t > t0]
+            freed = min(later) if later else None
+        m_pos = None if freed is None else measured_pos(freed)
+        s_pos = simulated_pos(sim.swap_out_end.get(d.tensor, 0.0))
+        e_pos = trace_pos(trace, d.evicted_access.op)
+        evicted_end = ends.get(d.evicted_access.op)
+        out.append({"tensor": d.tensor, "kind": str(d.kind), "nbytes": d.nbytes,
+                    "evicted_pos": e_pos, "simulated_free_pos": s_pos,
+                    "measured_free_pos": m_pos, "lag_ops": None if m_pos is None else m_pos - s_pos,
+                    # seconds from the end of the evicted access to the free: simulated on the trace's clock
+                    "simulated_free_after_s": sim.swap_out_end.get(d.tensor, sim.op_end[e_pos]) - sim.op_end[e_pos],
+                    "measured_free_after_s": None if freed is None or evicted_end is None
+                    else (freed - evicted_end) / 1e9})
+    return out
+
+
+def trace_pos(trace, op: str) -> int:
+    return next(i for i, o in enumerate(trace.ops) if o.name == op)
 
 
 if __name__ == "__main__":

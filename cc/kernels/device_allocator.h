@@ -194,6 +194,10 @@ class CapuchinAllocator : public Allocator, private DeviceMover {
   // Admission to the budget: checked and counted under `budget_mu_`, which is never held while allocating.
   std::mutex budget_mu_;
   int64_t admitted_bytes_ = 0;  // the most the admitted allocations not yet finished can still add
+  // MakeResident (device_allocator.cc): the end of the device region's pages made resident so far.
+  void MakeResident(int64_t bytes);
+  std::mutex resident_mu_;
+  uintptr_t resident_end_ = 0;
   // CAPUCHIN_TF_TRACE_EVICT: the op that allocated each buffer of at least kTracedOwnerMinBytes, named in the
   // eviction trace's map.
   void RecordOwner(const void* ptr, size_t num_bytes);
