@@ -140,24 +140,29 @@ from capuchin_tf.frontend import decorator
 setup = models.build("cnn", 16)
 options = decorator.make_options("48MiB", policy="recompute-only", link="p100", link_clock_s={clock})
 step = decorator.wrap_step(setup.train_step, options)
-speedups = []
+speedups, trace_steps = [], []
 for _ in range(4):
     step(*setup.inputs)
     (report,) = step.report().values()
     speedups.append(report["speedup"])
-print(json.dumps(dict(speedups=speedups, trace_step_s=report["prediction"]["trace_step_s"],
-                      phases=[s["phase"] for s in report["steps"]])))
+    trace_steps.append(report["prediction"]["trace_step_s"])
+print(json.dumps(dict(speedups=speedups, trace_steps=trace_steps, phases=[s["phase"] for s in report["steps"]],
+                      retimed=[s["retimed"] for s in report["steps"]])))
 """
 
 
 def test_a_p100_link_with_a_clock_runs_at_that_clocks_rate_from_the_first_guided_step(simulated_device):
     """Options.link_clock_s: the guided steps are taken to run at that clock from the measured step on (speedup:
     the trace's step time over it), and the emulated link does not follow the steps' own speed (a clock far slower
-    than the steps: without the clock, the first guided step would raise the speedup)."""
+    than the steps: without the clock, the first guided step would raise the speedup). The first guided step
+    re-times the trace (ManagedStep._retime): the speedup follows the trace's new clock, the link's rate does not
+    change."""
     clock = 10.0
     result = simulated_device(CLOCKED.format(clock=clock), limit_mb=96, timeout=600)
     assert result["phases"] == ["measured"] + ["guided"] * 3, result
-    assert result["speedups"] == [pytest.approx(result["trace_step_s"] / clock)] * 4, result
+    assert result["retimed"] == [False, True, False, False], result
+    assert result["trace_steps"][1] != result["trace_steps"][0], result
+    assert result["speedups"] == [pytest.approx(t / clock) for t in result["trace_steps"]], result
 
 
 CACHED = """

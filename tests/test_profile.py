@@ -135,3 +135,26 @@ def test_pure_layers_import_and_test_without_tensorflow():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout
+
+
+def test_kernel_seconds_sum_an_ops_runs_and_leave_out_its_stalls_for_memory():
+    from capuchin_tf.core.trace_assembly import KernelEvent
+
+    ms = 1_000_000
+    kernels = [KernelEvent("a", "MatMul", 0, 10 * ms), KernelEvent("b", "Relu", 10 * ms, 14 * ms),
+               KernelEvent("a", "MatMul", 20 * ms, 23 * ms)]
+    offset = 5 * ms  # the stalls are on CLOCK_MONOTONIC, 5 ms ahead of the profiler's clock
+    stalls = {"start_ns": np.array([7 * ms, 8 * ms, 30 * ms]), "end_ns": np.array([9 * ms, 10 * ms, 31 * ms])}
+    seconds = measure.kernel_seconds(kernels, offset, stalls)
+    # a: 10 ms less its stall from 2 to 5 ms (two overlapping spans, merged), plus its second run's 3 ms; b: none.
+    assert seconds == pytest.approx({"a": 0.010, "b": 0.004})
+
+
+def test_a_profiled_call_returns_its_result_and_the_kernels_it_ran():
+    x = tf.random.stateless_uniform([64, 64], seed=[1, 2])
+    fn = tf.function(lambda x: tf.nn.relu(tf.matmul(x, x)))
+    fn(x)
+    result, kernels, _ = measure.profiled_call(lambda: fn(x))
+    assert np.array_equal(result.numpy(), fn(x).numpy())
+    assert {"MatMul", "Relu"} <= {k.type for k in kernels}
+    assert all(k.end >= k.start for k in kernels)

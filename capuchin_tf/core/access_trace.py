@@ -23,6 +23,7 @@ and name executed ops; a tensor is freed no earlier than it is allocated; the me
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -166,6 +167,51 @@ class AccessTrace:
         `replayed_peak`: the trace's replayed peak when the caller has it (TraceIndex.replayed_peak)."""
         peak = self.replayed_peak_bytes() if replayed_peak is None else replayed_peak
         return max(int(self.evicted_bytes), peak - budget_bytes + margin_bytes, 0)
+
+    def retimed(self, durations: Mapping[str, float], source: str = "") -> AccessTrace:
+        """The same step with the ops' durations of another run of it: `durations` (seconds per op name; an op it
+        does not name keeps its own). Every time of the trace (op starts, accesses, allocations and frees, the memory
+        curve, releases, the step's end) moves with the op running then: the timeline is cut at every op's start and
+        end, and each piece is stretched by the duration ratio of the latest-started op covering it (a piece no op
+        covers, a gap, keeps its length). The order of every event is kept. `source` is recorded in meta["retimed"].
+        """
+        knots = sorted({0.0, self.step_time, *(o.start for o in self.ops), *(o.end for o in self.ops)})
+        # The op covering each piece [knots[j], knots[j+1]]: the latest-started one running over all of it.
+        starts_at: dict[float, list[OpRecord]] = {}
+        for o in self.ops:
+            starts_at.setdefault(o.start, []).append(o)
+        active: list[OpRecord] = []
+        new = [knots[0]]
+        for a, b in zip(knots, knots[1:]):
+            active.extend(starts_at.get(a, ()))
+            active = [o for o in active if o.end >= b]
+            factor = 1.0
+            if active:
+                o = max(active, key=lambda o: o.start)
+                if o.name in durations and o.duration > 0:
+                    factor = max(float(durations[o.name]), 0.0) / o.duration
+            new.append(new[-1] + (b - a) * factor)
+
+        def at(t: float) -> float:
+            j = bisect.bisect_right(knots, t) - 1
+            if j < 0:
+                return new[0] + (t - knots[0])
+            if j >= len(knots) - 1:
+                return new[-1] + (t - knots[-1])
+            a, b = knots[j], knots[j + 1]
+            return new[j] + (new[j + 1] - new[j]) * ((t - a) / (b - a) if b > a else 0.0)
+
+        ops = tuple(dataclasses.replace(o, start=at(o.start), duration=max(at(o.end) - at(o.start), 0.0))
+                    for o in self.ops)
+        tensors = {tid: dataclasses.replace(
+            t, alloc=at(t.alloc), free=None if t.free is None else at(t.free),
+            accesses=tuple(dataclasses.replace(a, time=at(a.time)) for a in t.accesses))
+            for tid, t in self.tensors.items()}
+        meta = dict(self.meta or {})
+        meta["retimed"] = {"source": source, "measured_step_s": self.step_time, "ops": len(durations)}
+        return dataclasses.replace(
+            self, ops=ops, tensors=tensors, memory_curve=tuple((at(t), b) for t, b in self.memory_curve),
+            step_time=at(self.step_time), released=tuple((at(t), b) for t, b in self.released), meta=meta)
 
     # ---- JSON ----------------------------------------------------------------------------------------------------
     def to_json(self) -> dict:

@@ -116,7 +116,9 @@ def lower_bound_s(trace: AccessTrace, plan: Plan) -> float:
         if stop > end:
             busy += stop - max(start, end)
             end = stop
-    replays = sum(d.recompute_s for d in plan.recomputes if d.replay_ops)
+    # The replayed ops' times on this trace, which may have been re-timed after the plan was made.
+    dur = {o.name: o.duration for o in trace.ops}
+    replays = sum(sum(dur.get(op, 0.0) for op in d.replay_ops) for d in plan.recomputes)
     out_busy = sum(plan.device.swap_out_time(d.nbytes) for d in plan.swaps)
     in_busy = sum(plan.device.swap_in_time(d.nbytes) for d in plan.swaps)
     return max(trace.step_time, busy + replays, out_busy, in_busy)

@@ -88,7 +88,7 @@ from capuchin_tf.policy.feedback import (
     wants_trial,
 )
 from capuchin_tf.policy.plan_cache import CacheKey, PlanCache
-from capuchin_tf.policy.simulator import lower_bound_s
+from capuchin_tf.policy.simulator import lower_bound_s, simulate
 from capuchin_tf.runtime import recovery
 from capuchin_tf.runtime.errors import BudgetError, CapuchinError, Refusal, in_use_breakdown, oom_line
 from capuchin_tf.runtime.options import Options
@@ -102,6 +102,10 @@ NOTHING_TO_SAVE = 0.85
 # The emulated link follows the guided steps' speed (_device_model); when it speeds up by more than this fraction after
 # a step, that step's prefetch timings are not feedback for the link that follows.
 RELINK_FRACTION = 0.05
+# The first guided step of a signature with feedback runs under the profiler and re-times the trace (_retime), if its
+# profile names at least RETIME_COVERAGE of the trace's ops.
+RETIME = True
+RETIME_COVERAGE = 0.9
 MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, after an out-of-memory error
 
 # One managed step at a time in a process: the profiler, the allocator's passive mode and budget, the host store's
@@ -231,10 +235,27 @@ class ManagedStep:
                 "from_cache": st.from_cache,
                 "speedup": st.speedup,
                 # the current plan's predicted step, peak and lower bound, as ratios of the trace's step
-                "prediction": plan.prediction(lower_bound_s(st.trace, plan)) if plan else None,
+                "prediction": self._prediction(st) if plan else None,
                 "steps": [dataclasses.asdict(r) for r in st.history],
             }
         return out
+
+    def _prediction(self, st: SignatureState) -> dict:
+        """The running plan's prediction (Plan.prediction), on the signature's trace: a plan made before the trace
+        was re-timed (_retime) is simulated again on it, with the link model of its clock."""
+        plan, trace = st.plan, st.trace
+        if plan.trace_step_s == trace.step_time or trace.step_time <= 0:
+            return plan.prediction(lower_bound_s(trace, plan))
+        try:
+            plan = dataclasses.replace(plan, device=DeviceModel.from_link(self.options.link, trace))
+            sim = simulate(trace, plan)
+        except Exception:  # noqa: BLE001  (a report never fails the step: the plan's own prediction, marked)
+            return {**plan.prediction(None), "on_retimed_trace": False}
+        out = dataclasses.replace(plan, predicted_step_s=sim.step_time, trace_step_s=trace.step_time,
+                                  predicted_peak_bytes=sim.peak_bytes + plan.margin_bytes,
+                                  predicted_stall_s=sim.stall_s, predicted_recompute_s=sim.recompute_s,
+                                  ).prediction(lower_bound_s(trace, plan))
+        return {**out, "on_retimed_trace": True}
 
     def __call__(self, *args, **kwargs):
         if kwargs:
@@ -665,6 +686,11 @@ class ManagedStep:
             layout_before = ops.layout_stats()
             ops.drain_stalls()
             tf.config.experimental.reset_memory_stats(DEVICE)
+            # The first guided step that runs a plan and no trial runs under the profiler: its kernel times re-time
+            # the trace (ManagedStep._retime).
+            profile = (RETIME and state.fn is not None and self.options.feedback and not state.retimed
+                       and state.trial is None and not retried)
+            state.retimed = state.retimed or profile
             t0 = time.perf_counter()
             try:
                 with self._budget():
@@ -680,7 +706,11 @@ class ManagedStep:
                             ops.layout_begin(id(state.fn))
                         ok = False
                         try:
-                            outputs = function_surgery.call_without_grappler(state.fn, *args)
+                            if profile:
+                                outputs, kernels, clock_offset = measure.profiled_call(
+                                    lambda: function_surgery.call_without_grappler(state.fn, *args))
+                            else:
+                                outputs = function_surgery.call_without_grappler(state.fn, *args)
                             ok = True
                         finally:
                             if layout:
@@ -744,7 +774,8 @@ class ManagedStep:
             seconds = time.perf_counter() - t0
             peak = tf.config.experimental.get_memory_info(DEVICE)["peak"]
             after = ops.host_store_stats()
-            stalls = summarize_stalls(ops.drain_stalls())
+            drained = ops.drain_stalls()
+            stalls = summarize_stalls(drained)
             late, early = dict(stalls.late), list(stalls.early)
             plan = state.plan if state.fn is not None else None
             record = StepRecord("guided" if state.fn is not None else "plain", seconds, peak,
@@ -761,6 +792,8 @@ class ManagedStep:
                 with_region = layout_after["region_steps"] > layout_before["region_steps"]
                 record.layout_bytes = layout_before["region_bytes"] if with_region else 0
                 record.layout_misses = layout_after["step_misses"]
+            if profile and not retried:
+                record.retimed = self._retime(state, kernels, clock_offset, drained)
             state.history.append(record)
             waited = stalls.waited_s
             relinked = False
@@ -787,6 +820,26 @@ class ManagedStep:
                 record.adjust_s = time.perf_counter() - t_adjust
             state.steps_since_change = 0 if record.plan_changed or retried else state.steps_since_change + 1
             return outputs
+
+    def _retime(self, state: SignatureState, kernels, clock_offset: int, stalls) -> bool:
+        """The trace with the kernel times of a guided step (`kernels`, its profiler events; `stalls`, its waits for
+        memory, left out), from which every later plan is made (docs/decisions.md, "Kernel times from a guided step").
+        The measured step is the first run of its kernels: its forward pass measured 1.3-2.5x the guided steps' on
+        bert-4l, its backward pass about 1x. The link the guided steps run on does not change (the trace's clock
+        changes, and `speedup` with it: for p100, the link model follows the trace's FLOP rate). True when the trace
+        was re-timed."""
+        seconds = measure.kernel_seconds(kernels, clock_offset, stalls)
+        names = {o.name for o in state.trace.ops}
+        named = {op: s for op, s in seconds.items() if op in names}
+        if len(named) < RETIME_COVERAGE * len(names):
+            return False  # the profile missed the step's ops (another profiler session running, say)
+        measured = state.trace
+        state.trace = measured.retimed(named, source="a guided step's kernel times")
+        if measured.step_time > 0 and state.trace.step_time > 0:
+            # The link is the trace's link model (per second of the trace's clock) times `speedup`: the same rate.
+            state.speedup *= state.trace.step_time / measured.step_time
+        self._device_model(state.trace, state)
+        return True
 
     def _passive(self, state: SignatureState, args, retried: int, error):
         """The last resort for a guided step: the step in passive mode (the measured step's mechanism). Like the

@@ -37,6 +37,8 @@ class StepRecord:
     # The step ran while a plan change was planned and built off the critical path (ManagedStep, "background
     # builds"): its time shares the machine with that work, and it is no measurement of its plan.
     building: bool = False
+    # The step ran under the profiler and the trace took its kernel times (ManagedStep._retime).
+    retimed: bool = False
 
 
 @dataclasses.dataclass
@@ -82,6 +84,8 @@ class SignatureState:
     # What guided steps were measured to need beyond their plan's predicted placement (feedback.placement_error): the
     # largest seen; the learned margin's plan is made with it.
     placement_error: int = 0
+    # The trace took its ops' kernel times from a profiled guided step (ManagedStep._retime): attempted once.
+    retimed: bool = False
     build: Any = None  # a plan change under way off the critical path (managed_step.Build), or None
 
 

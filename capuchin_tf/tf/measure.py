@@ -150,6 +150,46 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
     return outputs, trace
 
 
+def profiled_call(call):
+    """Runs `call()` under TensorFlow's profiler (kernel events only are read); returns (its result, its kernel events,
+    the offset of the profiler's clock from CLOCK_MONOTONIC, for `kernel_seconds`)."""
+    logdir = tempfile.mkdtemp(prefix="capuchin_retime_")
+    try:
+        options = tf.profiler.experimental.ProfilerOptions(host_tracer_level=2, python_tracer_level=0,
+                                                           device_tracer_level=0)
+        tf.profiler.experimental.start(logdir, options=options)
+        try:
+            mono = [_anchor()]
+            result = call()
+            mono.append(_anchor())
+        finally:
+            tf.profiler.experimental.stop()
+        files = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        kernels, _, anchors = read_xspace(max(files, key=os.path.getmtime)) if files else ([], [], [])
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+    offset = sum(m - a for m, a in zip(mono, anchors)) // len(anchors) if len(anchors) == len(mono) else 0
+    return result, kernels, offset
+
+
+def kernel_seconds(kernels, offset: int, stalls) -> dict[str, float]:
+    """Seconds each op's kernels ran (all its runs), less the time they stalled waiting for memory: the host store's
+    stall spans (`ops.drain_stalls()` of the same call, CLOCK_MONOTONIC; `offset` from `profiled_call`) that fall
+    inside them, as the measured step's trace removes them (trace_assembly._Timeline)."""
+    spans = sorted((int(s) - offset, int(e) - offset) for s, e in zip(stalls["start_ns"], stalls["end_ns"]) if e > s)
+    merged: list[list[int]] = []
+    for s, e in spans:
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    out: dict[str, float] = {}
+    for k in kernels:
+        stalled = sum(max(0, min(k.end, e) - max(k.start, s)) for s, e in merged if s < k.end and e > k.start)
+        out[k.op] = out.get(k.op, 0.0) + max(k.end - k.start - stalled, 0) / 1e9
+    return out
+
+
 def memory_curve(call):
     """Runs `call()` under TensorFlow's profiler; returns (its result, the device allocator's bytes in use after each
     allocation and free, as [(seconds since the first event, bytes)])."""

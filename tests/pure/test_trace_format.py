@@ -329,3 +329,39 @@ def test_any_mutation_loads_or_raises_trace_format_error(d):
     assert all(b >= 0 for _, b in trace.replayed_curve())
     TraceIndex(trace)
     make_plan(trace, 6 << 20, "capuchin", DeviceModel.from_link("native"))  # and plannable
+
+
+def test_a_retimed_trace_takes_the_new_durations_keeps_the_gaps_and_moves_every_event_with_its_op():
+    from capuchin_tf.core.synthetic import linear_chain
+
+    trace = linear_chain(n_layers=4, batch=8, width=64)
+    forward = [o.name for o in trace.ops if o.role.name == "FORWARD"]
+    assert forward
+    halved = {name: next(o.duration for o in trace.ops if o.name == name) / 2 for name in forward}
+    new = trace.retimed(halved, source="a guided step")
+    by_name = {o.name: o for o in new.ops}
+    for o in trace.ops:
+        want = o.duration / 2 if o.name in halved else o.duration
+        assert abs(by_name[o.name].duration - want) < 1e-12, o.name
+    old_gaps = [b.start - a.end for a, b in zip(trace.ops, trace.ops[1:])]
+    new_gaps = [b.start - a.end for a, b in zip(new.ops, new.ops[1:])]
+    assert all(abs(x - y) < 1e-12 for x, y in zip(old_gaps, new_gaps))
+    saved = sum(halved.values())
+    assert abs(new.step_time - (trace.step_time - saved)) < 1e-9
+    # Every access stays at its op's start; every event keeps its order; the bytes are the same.
+    starts = {o.name: o.start for o in new.ops}
+    old_starts = {o.name: o.start for o in trace.ops}
+    at_start = [(t.id, a.index) for t in trace.tensors.values() for a in t.accesses
+                if abs(a.time - old_starts[a.op]) < 1e-12]
+    assert at_start
+    for tid, i in at_start:
+        a = new.tensors[tid].accesses[i]
+        assert abs(a.time - starts[a.op]) < 1e-12
+    old_order = [e for _, e in sorted((time, i) for i, (time, _) in enumerate(trace.memory_curve))]
+    new_order = [e for _, e in sorted((time, i) for i, (time, _) in enumerate(new.memory_curve))]
+    assert old_order == new_order
+    assert new.replayed_peak_bytes() == trace.replayed_peak_bytes()
+    assert new.meta["retimed"]["source"] == "a guided step"
+    same = trace.retimed({})  # nothing named: nothing moves
+    assert all(abs(a.start - b.start) < 1e-12 and abs(a.duration - b.duration) < 1e-12
+               for a, b in zip(same.ops, trace.ops))
