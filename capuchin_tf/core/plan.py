@@ -65,7 +65,9 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class AccessRef:
-    """One access {tensor_id, access index} (the paper's pair), with the op that makes it and its recorded time."""
+    """One access {tensor_id, access index} (the paper's pair), with the op that makes it and its recorded time.
+    Index -1: a trigger the feedback moved to an op that does not access that tensor (policy.feedback.move_triggers),
+    which fires after `op` runs."""
 
     tensor: str
     index: int

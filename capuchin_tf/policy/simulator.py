@@ -202,7 +202,8 @@ def _trigger_pos(idx: TraceIndex, t: str, ref, what: str) -> int:
     if p is None:
         raise InfeasiblePlanError(f"tensor {t!r}: {what} names op {ref.op!r}, which the trace never ran")
     rec = idx.trace.tensors.get(ref.tensor)
-    if rec is None or not 0 <= ref.index < len(rec.accesses) or rec.accesses[ref.index].op != ref.op:
+    moved = ref.index == -1  # a trigger at an op (AccessRef): the op is all there is to check
+    if not moved and (rec is None or not 0 <= ref.index < len(rec.accesses) or rec.accesses[ref.index].op != ref.op):
         raise InfeasiblePlanError(
             f"tensor {t!r}: {what} ({ref.tensor!r}, access {ref.index}, op {ref.op!r}) is not an access of the trace"
         )

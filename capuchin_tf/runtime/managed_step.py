@@ -249,8 +249,9 @@ class ManagedStep:
         try:
             plan = dataclasses.replace(plan, device=DeviceModel.from_link(self.options.link, trace))
             sim = simulate(trace, plan)
-        except Exception:  # noqa: BLE001  (a report never fails the step: the plan's own prediction, marked)
-            return {**plan.prediction(None), "on_retimed_trace": False}
+        except Exception as e:  # noqa: BLE001  (a report never fails: the plan's own prediction, and why)
+            return {**st.plan.prediction(lower_bound_s(trace, st.plan)), "on_retimed_trace": False,
+                    "retimed_error": f"{type(e).__name__}: {e}"}
         out = dataclasses.replace(plan, predicted_step_s=sim.step_time, trace_step_s=trace.step_time,
                                   predicted_peak_bytes=sim.peak_bytes + plan.margin_bytes,
                                   predicted_stall_s=sim.stall_s, predicted_recompute_s=sim.recompute_s,

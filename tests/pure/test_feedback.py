@@ -53,6 +53,20 @@ def test_an_early_prefetch_moves_later_but_stays_before_the_back_access():
     assert moved_any
 
 
+def test_a_plan_with_moved_triggers_simulates_and_prefetches_after_the_ops_it_names():
+    # The report simulates the running plan again on a re-timed trace (ManagedStep._prediction): a plan the feedback
+    # changed must simulate too. A moved trigger (access index -1) fires after the op it names.
+    from capuchin_tf.policy.simulator import simulate
+
+    moved = move_triggers(PLAN, TRACE, earlier={d.tensor: d.swap_in_s for d in PREFETCHED}, later=set())
+    triggers = {d.tensor: d.in_trigger for d in moved.swaps if d.in_trigger is not None and d.in_trigger.index == -1}
+    assert triggers
+    sim = simulate(TRACE, moved)
+    ends = dict(zip((o.name for o in TRACE.ops), sim.op_end))
+    for t, ref in triggers.items():
+        assert sim.restore_time[t] >= ends[ref.op] - 1e-12
+
+
 def test_only_the_named_tensors_change():
     d = PREFETCHED[0]
     new = move_triggers(PLAN, TRACE, earlier={d.tensor: d.swap_in_s}, later=set())
