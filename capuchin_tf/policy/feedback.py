@@ -30,6 +30,16 @@ def move_triggers(plan: Plan, trace: AccessTrace, earlier: Mapping[str, float], 
     trace that started closest to that time, kept after the evicted-access and before the back-access. Unchanged:
     the same object."""
     starts = sorted((o.start, o.name) for o in trace.ops)
+    # Times on this trace's clock (the plan's own are those of the trace it was made on, which the runtime may have
+    # re-timed since: ManagedStep._retime): an access's, or for a moved trigger (index -1) its op's start.
+    start_of = {name: s for s, name in starts}
+
+    def at(ref) -> float:
+        rec = trace.tensors.get(ref.tensor)
+        if ref.index >= 0 and rec is not None and ref.index < len(rec.accesses):
+            return rec.accesses[ref.index].time
+        return start_of[ref.op]
+
     changed = False
     decisions = []
     for d in plan.decisions:
@@ -37,12 +47,12 @@ def move_triggers(plan: Plan, trace: AccessTrace, earlier: Mapping[str, float], 
             step = LATE_TRIGGER_STEP * max(d.swap_in_s, 1e-6)
             if d.tensor in earlier:
                 step = max(step, float(earlier[d.tensor]))
-            lo, hi = d.evicted_access.time, d.back_access.time
+            lo, hi, trigger_at = at(d.evicted_access), at(d.back_access), at(d.in_trigger)
             if d.tensor in earlier:
-                candidates = [(s, n) for s, n in starts if lo < s <= d.in_trigger.time - step]
+                candidates = [(s, n) for s, n in starts if lo < s <= trigger_at - step]
                 pick = candidates[-1] if candidates else None
             else:
-                candidates = [(s, n) for s, n in starts if d.in_trigger.time + step <= s < hi]
+                candidates = [(s, n) for s, n in starts if trigger_at + step <= s < hi]
                 pick = candidates[0] if candidates else None
             if pick is not None and pick[1] != d.in_trigger.op:
                 direction = "earlier: late" if d.tensor in earlier else "later: evicted before its use"

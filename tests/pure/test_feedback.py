@@ -67,6 +67,24 @@ def test_a_plan_with_moved_triggers_simulates_and_prefetches_after_the_ops_it_na
         assert sim.restore_time[t] >= ends[ref.op] - 1e-12
 
 
+def test_triggers_move_on_the_clock_of_the_trace_they_are_given_which_may_be_re_timed():
+    # The runtime re-times the trace after the plan was made (ManagedStep._retime); the plan's own times are on the
+    # old clock. Here the forward pass runs three times faster: moved triggers must stay between their tensor's
+    # evicted-access and back-access, and the plan simulate on the re-timed trace.
+    from capuchin_tf.core.graph_model import Role
+    from capuchin_tf.policy.simulator import simulate
+
+    faster = TRACE.retimed({o.name: o.duration / 3 for o in TRACE.ops if o.role == Role.FORWARD})
+    pos = {o.name: i for i, o in enumerate(faster.ops)}
+    for earlier, later in (({d.tensor: d.swap_in_s for d in PREFETCHED}, set()), ({}, {d.tensor for d in PREFETCHED})):
+        moved = move_triggers(PLAN, faster, earlier=earlier, later=later)
+        assert moved is not PLAN
+        for d in moved.swaps:
+            if d.in_trigger is not None:
+                assert pos[d.evicted_access.op] <= pos[d.in_trigger.op] < pos[d.back_access.op], d.tensor
+        simulate(faster, moved)
+
+
 def test_only_the_named_tensors_change():
     d = PREFETCHED[0]
     new = move_triggers(PLAN, TRACE, earlier={d.tensor: d.swap_in_s}, later=set())
