@@ -66,13 +66,18 @@ def test_the_tables_say_empty_plans_and_mismatches():
             "maxbatch": [{"model": "cnn", "policy": "tf", "budget_mb": 50, "max_batch": 64, "first_failing_batch": 72,
                           "bitwise_equal": None, "trials": []},
                          {"model": "cnn", "policy": "capuchin", "budget_mb": 50, "max_batch": 256,
-                          "first_failing_batch": 264, "bitwise_equal": True, "trials": []}],
+                          "first_failing_batch": 264, "bitwise_equal": True, "trials": []},
+                         # the bit-check re-run at the largest batch did not complete: nothing was compared
+                         {"model": "cnn", "policy": "swap-only", "budget_mb": 50, "max_batch": 128,
+                          "first_failing_batch": 136, "bitwise_equal": False, "ok": False,
+                          "error": "CapuchinError: out of memory", "trials": []}],
             "decorator": [_row("capuchin", of_tf_max=1.0), _row("capuchin", recomputed=5, of_tf_max=1.2)]}
     text = suite.markdown(data)
     lines = text.splitlines()
     assert "| cnn | 128 | capuchin | 100 | yes | yes | 0.800x / 0.900x | 1.20 / 1.10 / 1.05 | 1.14 |" in text
     assert any(line.startswith("| cnn | 128 | swap-only | 100 | NO | no |") for line in lines)
     assert "| cnn | 50 | capuchin | 256 | 4.00x | 264 | yes |" in text
+    assert "| cnn | 50 | swap-only | 128 | 2.00x | 136 | failed: CapuchinError: out of memory |" in text
     decorator = [line for line in lines if line.startswith("| cnn | 128 | 1.")]
     assert "(**empty plan**)" in decorator[0] and "empty" not in decorator[1]
 

@@ -227,6 +227,8 @@ def _maxbatch(suite: Suite, bench, model: str, policies: list[str], sections: li
             plain = bench.plain_run(model, best, a.link, a.steps, BIG_DEVICE_MB)
             data = _equal(bench, plain, policy, budget_mb)
             row["bitwise_equal"] = data["bitwise_equal"]
+            # A re-run that did not complete compared nothing: the table says it failed, not that the bits differ.
+            row["ok"], row["error"] = data["ok"], data["error"]
             ok &= bool(data["bitwise_equal"]) or not data["ok"]
             row["batch"] = best
             suite.point("maxbatch", row, data)
@@ -288,7 +290,7 @@ def markdown(data: dict) -> str:
         for r in data["throughput"]:
             lines.append(
                 f"| {r['model']} | {r['batch']} | {r['policy']} | {r['budget_mb']} | "
-                f"{'yes' if r['bitwise_equal'] else ('NO' if r['ok'] else 'failed: ' + str(r['error'])[:60])} | "
+                f"{_bits(r)} | "
                 f"{'yes' if r.get('all_guided') else 'no'} | {_f(r['guided_throughput_ratio'], '.3f', 'x')} / "
                 f"{_f(r['throughput_ratio'], '.3f', 'x')} | "
                 f"{_f(r['measured_step_ratio'])} / "
@@ -310,7 +312,7 @@ def markdown(data: dict) -> str:
             ratio = r["max_batch"] / base if r["max_batch"] and base else None
             lines.append(f"| {r['model']} | {r['budget_mb']} | {r['policy']} | {_f(r['max_batch'], 'd')} | "
                          f"{_f(ratio, '.2f', 'x')} | {_f(r['first_failing_batch'], 'd')} | "
-                         f"{'-' if r['bitwise_equal'] is None else ('yes' if r['bitwise_equal'] else 'NO')} |")
+                         f"{_bits(r)} |")
         lines.append("")
     if data["decorator"]:
         lines += ["## The decorator at plain TensorFlow's largest batch and +20%", "",
@@ -318,7 +320,7 @@ def markdown(data: dict) -> str:
                   "| swapped / recomputed MiB |", "|---|---|---|---|---|---|---|"]
         for r in data["decorator"]:
             lines.append(f"| {r['model']} | {r['batch']} | {r['of_tf_max']:.2f} | {r['budget_mb']} | "
-                         f"{'yes' if r['bitwise_equal'] else 'NO'} | {_f(r['throughput_ratio'], '.3f', 'x')} | "
+                         f"{_bits(r)} | {_f(r['throughput_ratio'], '.3f', 'x')} | "
                          f"{(r['swapped_bytes'] or 0) / MiB:.1f} / {(r['recomputed_bytes'] or 0) / MiB:.1f}"
                          f"{' (**empty plan**)' if r['empty_plan'] else ''} |")
         lines.append("")
@@ -398,3 +400,13 @@ def plot(data: dict, out: pathlib.Path) -> list[pathlib.Path]:
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
     return written
+
+
+def _bits(r: dict) -> str:
+    """The bit-for-bit column: yes, NO (the run completed and its numbers differ), failed (it did not complete, so
+    nothing was compared), or - (no comparison made)."""
+    if r.get("bitwise_equal") is None and r.get("ok") is None:
+        return "-"
+    if r.get("ok") is False:
+        return "failed: " + str(r.get("error"))[:60]
+    return "yes" if r.get("bitwise_equal") else "NO"
