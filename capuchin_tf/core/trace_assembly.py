@@ -131,6 +131,13 @@ class _Timeline:
         return (self.cum[-1] if self.cum else 0) / 1e9
 
 
+def stalled_within(stalls: Sequence[tuple[int, int]]):
+    """(start, end) -> how much of [start, end] the `stalls` spans cover (overlapping spans counted once): what the
+    measured step's timeline removes, for a guided step's kernels (tf/measure.py, kernel_seconds)."""
+    timeline = _Timeline(0, stalls)
+    return lambda start, end: timeline.removed_before(end) - timeline.removed_before(start)
+
+
 @dataclasses.dataclass
 class _Buffer:
     addr: int

@@ -21,7 +21,7 @@ from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 from capuchin_tf.core.access_trace import AccessTrace
 from capuchin_tf.core.graph_model import fold_views
-from capuchin_tf.core.trace_assembly import KernelEvent, MemoryEvent, assemble_trace, fold_pool_ops
+from capuchin_tf.core.trace_assembly import KernelEvent, MemoryEvent, assemble_trace, fold_pool_ops, stalled_within
 from capuchin_tf.tf import capture, function_surgery, ops, rewrite
 from capuchin_tf.tf.simulated_device import DEVICE
 
@@ -176,17 +176,10 @@ def kernel_seconds(kernels, offset: int, stalls) -> dict[str, float]:
     """Seconds each op's kernels ran (all its runs), less the time they stalled waiting for memory: the host store's
     stall spans (`ops.drain_stalls()` of the same call, CLOCK_MONOTONIC; `offset` from `profiled_call`) that fall
     inside them, as the measured step's trace removes them (trace_assembly._Timeline)."""
-    spans = sorted((int(s) - offset, int(e) - offset) for s, e in zip(stalls["start_ns"], stalls["end_ns"]) if e > s)
-    merged: list[list[int]] = []
-    for s, e in spans:
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
+    stalled = stalled_within([(int(s) - offset, int(e) - offset) for s, e in zip(stalls["start_ns"], stalls["end_ns"])])
     out: dict[str, float] = {}
     for k in kernels:
-        stalled = sum(max(0, min(k.end, e) - max(k.start, s)) for s, e in merged if s < k.end and e > k.start)
-        out[k.op] = out.get(k.op, 0.0) + max(k.end - k.start - stalled, 0) / 1e9
+        out[k.op] = out.get(k.op, 0.0) + max(k.end - k.start - stalled(k.start, k.end), 0) / 1e9
     return out
 
 
