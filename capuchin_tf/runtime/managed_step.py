@@ -708,7 +708,7 @@ class ManagedStep:
                         ok = False
                         try:
                             if profile:
-                                outputs, kernels, clock_offset = measure.profiled_call(
+                                outputs, kernels, _, clock_offset = measure.profiled_call(
                                     lambda: function_surgery.call_without_grappler(state.fn, *args))
                             else:
                                 outputs = function_surgery.call_without_grappler(state.fn, *args)

@@ -151,9 +151,9 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
 
 
 def profiled_call(call):
-    """Runs `call()` under TensorFlow's profiler (kernel events only are read); returns (its result, its kernel events,
-    the offset of the profiler's clock from CLOCK_MONOTONIC, for `kernel_seconds`)."""
-    logdir = tempfile.mkdtemp(prefix="capuchin_retime_")
+    """Runs `call()` under TensorFlow's profiler; returns (its result, its kernel events, its allocator events, the
+    offset of the profiler's clock from CLOCK_MONOTONIC, for `kernel_seconds`)."""
+    logdir = tempfile.mkdtemp(prefix="capuchin_profile_")
     try:
         options = tf.profiler.experimental.ProfilerOptions(host_tracer_level=2, python_tracer_level=0,
                                                            device_tracer_level=0)
@@ -165,11 +165,11 @@ def profiled_call(call):
         finally:
             tf.profiler.experimental.stop()
         files = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-        kernels, _, anchors = read_xspace(max(files, key=os.path.getmtime)) if files else ([], [], [])
+        kernels, memory, anchors = read_xspace(max(files, key=os.path.getmtime)) if files else ([], [], [])
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
     offset = sum(m - a for m, a in zip(mono, anchors)) // len(anchors) if len(anchors) == len(mono) else 0
-    return result, kernels, offset
+    return result, kernels, memory, offset
 
 
 def kernel_seconds(kernels, offset: int, stalls) -> dict[str, float]:
@@ -186,19 +186,7 @@ def kernel_seconds(kernels, offset: int, stalls) -> dict[str, float]:
 def memory_curve(call):
     """Runs `call()` under TensorFlow's profiler; returns (its result, the device allocator's bytes in use after each
     allocation and free, as [(seconds since the first event, bytes)])."""
-    logdir = tempfile.mkdtemp(prefix="capuchin_curve_")
-    try:
-        options = tf.profiler.experimental.ProfilerOptions(host_tracer_level=2, python_tracer_level=0,
-                                                           device_tracer_level=0)
-        tf.profiler.experimental.start(logdir, options=options)
-        try:
-            result = call()
-        finally:
-            tf.profiler.experimental.stop()
-        files = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-        _, memory, _ = read_xspace(max(files, key=os.path.getmtime)) if files else ([], [], [])
-    finally:
-        shutil.rmtree(logdir, ignore_errors=True)
+    result, _, memory, _ = profiled_call(call)
     points = sorted((m.time, m.in_use_after) for m in memory if m.in_use_after >= 0)
     t0 = points[0][0] if points else 0
     return result, [((t - t0) / 1e9, b) for t, b in points]
