@@ -175,7 +175,7 @@ def profiled_call(call):
 def kernel_seconds(kernels, offset: int, stalls) -> dict[str, float]:
     """Seconds each op's kernels ran (all its runs), less the time they stalled waiting for memory: the host store's
     stall spans (`ops.drain_stalls()` of the same call, CLOCK_MONOTONIC; `offset` from `profiled_call`) that fall
-    inside them, as the measured step's trace removes them (trace_assembly._Timeline)."""
+    inside them, as the measured step's trace removes them (trace_assembly.stalled_within)."""
     stalled = stalled_within([(int(s) - offset, int(e) - offset) for s, e in zip(stalls["start_ns"], stalls["end_ns"])])
     out: dict[str, float] = {}
     for k in kernels:
