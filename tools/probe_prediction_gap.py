@@ -190,6 +190,7 @@ def eviction_lags(plan, trace, sim, kernels, memory, started) -> list[dict]:
     ends: dict[str, int] = {}
     for k in kernels:
         ends[k.op] = max(ends.get(k.op, 0), k.end)
+    pos = {o.name: i for i, o in enumerate(trace.ops)}
     out = []
     for d in (*plan.swaps, *plan.recomputes):
         producer = d.tensor.rsplit(":", 1)[0]
@@ -201,7 +202,7 @@ def eviction_lags(plan, trace, sim, kernels, memory, started) -> list[dict]:
             freed = min(later) if later else None
         m_pos = None if freed is None else measured_pos(freed)
         s_pos = simulated_pos(sim.swap_out_end.get(d.tensor, 0.0))
-        e_pos = trace_pos(trace, d.evicted_access.op)
+        e_pos = pos[d.evicted_access.op]
         evicted_end = ends.get(d.evicted_access.op)
         out.append({"tensor": d.tensor, "kind": str(d.kind), "nbytes": d.nbytes,
                     "evicted_pos": e_pos, "simulated_free_pos": s_pos,
@@ -211,10 +212,6 @@ def eviction_lags(plan, trace, sim, kernels, memory, started) -> list[dict]:
                     "measured_free_after_s": None if freed is None or evicted_end is None
                     else (freed - evicted_end) / 1e9})
     return out
-
-
-def trace_pos(trace, op: str) -> int:
-    return next(i for i, o in enumerate(trace.ops) if o.name == op)
 
 
 if __name__ == "__main__":

@@ -103,8 +103,7 @@ NOTHING_TO_SAVE = 0.85
 # a step, that step's prefetch timings are not feedback for the link that follows.
 RELINK_FRACTION = 0.05
 # The first guided step of a signature with feedback runs under the profiler and re-times the trace (_retime), if its
-# profile names at least RETIME_COVERAGE of the trace's ops.
-RETIME = True
+# profile names at least this fraction of the trace's ops.
 RETIME_COVERAGE = 0.9
 MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, after an out-of-memory error
 
@@ -689,8 +688,8 @@ class ManagedStep:
             tf.config.experimental.reset_memory_stats(DEVICE)
             # The first guided step that runs a plan and no trial runs under the profiler: its kernel times re-time
             # the trace (ManagedStep._retime).
-            profile = (RETIME and state.fn is not None and self.options.feedback and not state.retimed
-                       and state.trial is None and not retried)
+            profile = (state.fn is not None and self.options.feedback and not state.retimed and state.trial is None
+                       and not retried)
             state.retimed = state.retimed or profile
             t0 = time.perf_counter()
             try:
@@ -793,7 +792,7 @@ class ManagedStep:
                 with_region = layout_after["region_steps"] > layout_before["region_steps"]
                 record.layout_bytes = layout_before["region_bytes"] if with_region else 0
                 record.layout_misses = layout_after["step_misses"]
-            if profile and not retried:
+            if profile:  # (an attempt that ran out of memory was retried unprofiled: `profile` is that attempt's)
                 record.retimed = self._retime(state, kernels, clock_offset, drained)
             state.history.append(record)
             waited = stalls.waited_s
