@@ -203,3 +203,38 @@ def test_a_managed_step_assigns_variables_in_place(simulated_device):
     assert r["released"] == [], r
     assert r["same"], r
     assert r["phases"][0] == "measured", r
+
+
+REPEATED = """
+import json
+import numpy as np
+import tensorflow as tf
+from capuchin_tf.runtime import recovery
+
+a = tf.Variable(np.arange(6, dtype=np.float32))
+b = tf.Variable(np.int64(7))
+c = tf.Variable(np.ones(3, np.float16), shape=tf.TensorShape(None))
+snapshot = recovery.Snapshot([a.handle, b.handle, c.handle], [0, 1, 2])
+seen, kept = [], []
+for step in range(3):
+    snapshot.take()  # the first reads one variable at a time, the later ones in one call
+    kept.append([id(v) for v in snapshot.values.values()])
+    a.assign_add(tf.ones(6)); b.assign_add(1); c.assign(np.full(step + 4, 2.5, np.float16))
+    snapshot.restore()
+    seen.append([a.numpy().tolist(), int(b.numpy()), c.numpy().tolist()])
+    a.assign_add(tf.fill([6], 10.0)); b.assign_add(100)  # the step that ran: the next snapshot takes these
+    c.assign(np.full(step + 2, 0.5, np.float16))  # ... and c of another shape each time
+print(json.dumps({"seen": seen, "reused": kept[1][:2] == kept[2][:2], "one_call": snapshot._read is not None}))
+"""
+
+
+def test_each_snapshot_holds_the_values_at_its_own_take_and_restores_them_whatever_changed_since(simulated_device):
+    # From the second snapshot on the values come from one TensorFlow call and land in the last snapshot's host
+    # arrays; a restore must give the values of the latest take, also for a variable whose shape changed since.
+    r = simulated_device(REPEATED, limit_mb=64)
+    assert r["one_call"] and r["reused"]
+    assert r["seen"] == [
+        [[0, 1, 2, 3, 4, 5], 7, [1, 1, 1]],
+        [[10, 11, 12, 13, 14, 15], 107, [0.5, 0.5]],
+        [[20, 21, 22, 23, 24, 25], 207, [0.5, 0.5, 0.5]],
+    ], r

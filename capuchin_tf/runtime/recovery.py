@@ -171,11 +171,38 @@ class Snapshot:
                 raise ValueError(f"capture {i} is a resource that is not a variable")
             self.dtypes[i] = dtype
         self.values: dict[int, np.ndarray] = {}
+        self._read = None
 
     def take(self) -> Snapshot:
-        self.values = {i: np.array(tf.raw_ops.ReadVariableOp(resource=self.handles[i], dtype=self.dtypes[i]),
-                                   copy=True)
-                       for i in self.indices}
+        """Copies every variable's value to host memory. From the second snapshot on, the values are read by one
+        TensorFlow call (a function of ReadVariableOps, each output the variable's own buffer, nothing allocated)
+        rather than one call a variable: the step's thread hands the interpreter's lock over at each TensorFlow call,
+        and while a plan is built in the background each handover can wait for the build's thread. The first
+        snapshot (the measured step's) reads them one by one: the function costs 0.2-0.5 s to make (docs/decisions.md,
+        "One call for the host snapshot")."""
+        if not self.indices:
+            self.values = {}
+            return self
+        if not self.values:
+            read = [tf.raw_ops.ReadVariableOp(resource=self.handles[i], dtype=self.dtypes[i]) for i in self.indices]
+        else:
+            if self._read is None:  # the handles are captured: a call with no arguments binds nothing in Python
+                pairs = [(self.handles[i], self.dtypes[i]) for i in self.indices]
+                self._read = tf.function(lambda: [tf.raw_ops.ReadVariableOp(resource=h, dtype=d) for h, d in pairs],
+                                         autograph=False)
+            read = self._read()
+        values = {}
+        for i, value in zip(self.indices, read):
+            value = value.numpy()
+            kept = self.values.get(i)
+            # The last snapshot's host buffers are reused when the value keeps its shape: writing pages already
+            # mapped costs a copy; new ones cost a page fault every 4 KiB on top of it.
+            if kept is not None and kept.shape == value.shape and kept.dtype == value.dtype:
+                np.copyto(kept, value)
+                values[i] = kept
+            else:
+                values[i] = np.array(value, copy=True)
+        self.values = values
         return self
 
     def restore(self, only: Iterable[int] | None = None) -> None:
