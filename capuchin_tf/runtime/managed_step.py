@@ -89,7 +89,7 @@ from capuchin_tf.policy.feedback import (
 )
 from capuchin_tf.policy.plan_cache import CacheKey, PlanCache
 from capuchin_tf.policy.simulator import lower_bound_s, simulate
-from capuchin_tf.runtime import recovery
+from capuchin_tf.runtime import heap, recovery
 from capuchin_tf.runtime.errors import BudgetError, CapuchinError, Refusal, in_use_breakdown, oom_line
 from capuchin_tf.runtime.options import Options
 from capuchin_tf.runtime.signature import SignatureState, StepRecord, signature_key
@@ -168,7 +168,8 @@ class Build:
                     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BUILD_NICE)
                 except OSError:
                     pass
-            self.result = job()
+            with heap.young_heap():
+                self.result = job()
         except BaseException as e:  # noqa: BLE001  (reported when the result is taken)
             self.error = e
         finally:
@@ -269,6 +270,12 @@ class ManagedStep:
         concrete = capture.concrete_step(self._fn, args)
         key = signature_key(concrete, args)
         state = self._states.get(key)
+        if state is None or state.trace is None:
+            with heap.young_heap():  # the signature's first call: capture, measurement and planning, in Python
+                return self._call_state(state, concrete, key, args)
+        return self._call_state(state, concrete, key, args)
+
+    def _call_state(self, state: SignatureState | None, concrete, key: str, args):
         if state is None:
             state = self._new_state(concrete, key, args)
         else:
@@ -568,7 +575,8 @@ class ManagedStep:
         if self.options.verbose:
             print(f"capuchin_tf: plan for {budget / 2**20:.1f} MiB: {plan.summary()}", flush=True)
         try:
-            fn, graph_def = self._build(state, plan, *self._tensor_info(state))
+            with heap.young_heap():
+                fn, graph_def = self._build(state, plan, *self._tensor_info(state))
         except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
             if state.fn is None and state.plan is None:
                 raise Refusal(f"its plan could not be applied ({type(e).__name__}: {e})") from e
