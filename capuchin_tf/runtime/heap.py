@@ -2,9 +2,10 @@
 built in the background).
 
 A full collection walks every object the collector tracks: with TensorFlow, Keras and a model loaded that is
-400,000-500,000 objects (bert-4l through keras-hub), 0.2-0.5 s a walk, and the measured step's capture, trace and
-planning allocate enough to set off about twelve of them (2.1 s of its 7.6 s on bert-4l), a background build two
-(about 1 s of its time). Almost none of those objects is garbage: they are the modules and the model.
+400,000-520,000 objects (bert-4l through keras-hub), 0.2-0.5 s a walk, and a signature's first call (capture,
+measured step, trace, planning) allocates enough to set off five of them (1.3-1.5 s of its 7-8 s on bert-4l), a
+background build two or three (about 1 s of its time). Almost none of those objects is garbage: they are the
+modules and the model.
 
 `young_heap()` scopes that work: on entry the tracked objects are frozen (`gc.freeze`: moved where collections do not
 walk them), and so are the survivors of every collection of generation 1 or 2 inside the scope, so the collections
