@@ -18,6 +18,7 @@ from capuchin_tf.policy import make_plan
 from capuchin_tf.tf import capture, function_surgery, measure, ops, rewrite
 
 MODEL, BATCH, STEPS = "cnn", 32, 3
+MiB = 1 << 20
 
 
 def digest(setup):
@@ -150,3 +151,48 @@ def test_a_rebuilt_step_places_every_op_as_the_importers_own_device_scopes_do(mo
     fast_ops, slow_ops = placed(fast), placed(slow)
     assert fast_ops == slow_ops
     assert sum(bool(device) for device, _ in fast_ops.values()) > len(fast_ops) // 2  # devices are there to compare
+
+
+PREINSTANTIATE = """
+import json
+import numpy as np
+import tensorflow as tf
+import capuchin_tf
+from capuchin_tf.tf import capture, function_surgery
+
+n = 1 << 18
+big = np.arange(n, dtype=np.float32) % 7
+
+
+def make():
+    v, runs = tf.Variable(tf.zeros([n])), tf.Variable(0)
+
+    @tf.function
+    def step(x):
+        runs.assign_add(1)
+        v.assign_add(x * tf.reduce_sum(tf.constant(big) * x[0]))
+        return tf.reduce_sum(v)
+    return v, runs, step
+
+
+x = tf.ones([n])
+v, runs, step = make()
+concrete = step.get_concrete_function(x)
+fn = function_surgery.rebuild(concrete, capture.optimized_graph(concrete, (x,)))
+done = function_surgery.preinstantiate(fn, function_surgery.arg_specs((x,)))
+untouched = bool(np.all(v.numpy() == 0)) and int(runs.numpy()) == 0
+rebuilt = [float.hex(float(function_surgery.call_without_grappler(fn, x))) for _ in range(2)]
+_, _, plain_step = make()
+plain = [float.hex(float(plain_step(x))) for _ in range(2)]
+skipped = function_surgery.preinstantiate(fn, function_surgery.arg_specs((np.ones(3, np.float32),)))
+print(json.dumps({"done": done, "untouched": untouched, "rebuilt": rebuilt, "plain": plain, "skipped": skipped}))
+"""
+
+
+def test_a_rebuilt_step_is_instantiated_before_its_first_call_without_running_anything(simulated_device):
+    # A cancelled call instantiates the function and runs no node: neither variable the step updates has changed;
+    # the calls after give plain TensorFlow's bits.
+    r = simulated_device(PREINSTANTIATE, limit_mb=256)
+    assert r["done"] and r["untouched"], r
+    assert r["rebuilt"] == r["plain"], r
+    assert r["skipped"] is False  # arguments that are not tensors: nothing done

@@ -604,9 +604,13 @@ class ManagedStep:
         return ({t: info[0] for t, info in state.tensor_info.items()},
                 {t: info[1] for t, info in state.tensor_info.items()})
 
-    def _build(self, state: SignatureState, plan: Plan, dtypes: Mapping[str, str], shapes: Mapping) -> tuple:
+    def _build(self, state: SignatureState, plan: Plan, dtypes: Mapping[str, str], shapes: Mapping,
+               specs: tuple | None = None) -> tuple:
         """The guided step for `plan`: (its ConcreteFunction, its GraphDef). Reads the signature's optimized graph,
-        trace and shaped graph, writes nothing of the state: it runs in a background build too."""
+        trace and shaped graph, writes nothing of the state: it runs in a background build too. With `specs` (the
+        arguments' dtypes and devices, function_surgery.arg_specs), the function is also instantiated, without
+        running, for calls with such arguments: a build in the background does that off the critical path, and the
+        new plan's first step runs as fast as the next (docs/decisions.md, "Instantiated before the first call")."""
         missing = [d.tensor for d in plan.decisions if d.tensor not in dtypes]
         if missing:
             raise rewrite.RewriteError(f"planned tensors not in the optimized graph: {missing[:3]}")
@@ -617,7 +621,9 @@ class ManagedStep:
         # of failing the step. Capuchin's passive mode: the baselines run their plans alone.
         if self.safety_net:
             graph_def = rewrite.pooled(graph_def, state.shaped)
-        return function_surgery.rebuild(state.concrete, graph_def, name="capuchin_guided_step"), graph_def
+        fn = function_surgery.rebuild(state.concrete, graph_def, name="capuchin_guided_step")
+        function_surgery.preinstantiate(fn, specs)
+        return fn, graph_def
 
     def _commit(self, state: SignatureState, plan: Plan, budget: int, fn, graph_def) -> None:
         """`plan` runs from the next step on."""
@@ -638,12 +644,13 @@ class ManagedStep:
             print(f"capuchin_tf: building the plan for {budget / 2**20:.1f} MiB in the background: {plan.summary()}",
                   flush=True)
         dtypes, shapes = self._tensor_info(state)
+        specs = state.arg_specs
 
         def then(built) -> bool:
             self._commit(state, plan, budget, *built)
             return True
 
-        return self._start_build(state, lambda: self._build(state, plan, dtypes, shapes), then)
+        return self._start_build(state, lambda: self._build(state, plan, dtypes, shapes, specs), then)
 
     def _start_build(self, state: SignatureState, job, then) -> bool:
         """`job` built in the background (False: the plan has not changed yet), or, when no thread can be started,
@@ -681,6 +688,7 @@ class ManagedStep:
 
     # ---- guided execution --------------------------------------------------------------------------------------
     def _guided(self, state: SignatureState, args):
+        state.arg_specs = function_surgery.arg_specs(args)
         retried = 0
         while True:
             if self.options.verbose and retried:
@@ -1012,6 +1020,8 @@ class ManagedStep:
         incumbent_s = self._incumbent_s(state, record)
         plan_budget, running, speedup = state.plan_budget, state.plan, state.speedup
         dtypes, shapes = self._tensor_info(state)
+        background = self._in_background()
+        specs = state.arg_specs if background else None  # instantiated in the build, off the critical path
         if self.options.verbose:
             print(f"capuchin_tf: guided steps wait {record.waited_s} for copies on demand; trying the plans of "
                   f"{', '.join(name for name, _ in candidates)} in turn", flush=True)
@@ -1046,7 +1056,7 @@ class ManagedStep:
                                    f"{incumbent_s:.3f} s measured")
                     continue
                 try:
-                    built = self._build(state, plan, dtypes, shapes)
+                    built = self._build(state, plan, dtypes, shapes, specs)
                 except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
                     tried[name] = f"not tried: the plan could not be applied ({type(e).__name__}: {e})"
                     continue
@@ -1078,7 +1088,7 @@ class ManagedStep:
                       f"{against:.3f} s", flush=True)
             return True
 
-        if self._in_background():
+        if background:
             return self._start_build(state, job, then)
         return then(job()) or None
 

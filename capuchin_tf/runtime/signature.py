@@ -55,6 +55,7 @@ class SignatureState:
     optimized: Any = None  # the optimized GraphDef the plan is applied to
     shaped: Any = None  # the optimized graph imported with the call's shapes (static shapes of every tensor)
     tensor_info: dict = dataclasses.field(default_factory=dict)  # tensor id -> (dtype name, shape)
+    arg_specs: tuple | None = None  # the last call's arguments, (dtype, device) each (function_surgery.arg_specs)
     writes: recovery.StateWrites | None = None  # what the step writes
     snapshot: recovery.Snapshot | None = None  # host copies of it
     floor_bytes: int = 0  # persistent bytes + the working-set floor (graph_model.working_set_floor)

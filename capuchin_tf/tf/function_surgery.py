@@ -11,10 +11,12 @@ inserted nodes cannot change what Grappler does and the kernels are those plain 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
+from tensorflow.python.eager import cancellation, context, execute
 from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
 from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import importer
@@ -172,3 +174,52 @@ def call_without_grappler(fn, *args):
     """`fn(*args)` for a function made by `rebuild`: its graph is already optimized."""
     with grappler_off():
         return fn(*args)
+
+
+def arg_specs(args) -> tuple | None:
+    """(dtype, device) of each flat tensor argument of a call with `args`, the part of a call that decides which
+    instantiation of a function it runs (its shapes do not); None when an argument is not a tensor."""
+    flat = nest.flatten(args, expand_composites=True)
+    if not all(isinstance(t, tf.Tensor) for t in flat):
+        return None
+    return tuple((t.dtype, t.device) for t in flat)
+
+
+def preinstantiate(fn, specs: tuple | None) -> bool:
+    """Instantiates `fn` (made by `rebuild`) for calls whose arguments are like `specs` (arg_specs) without running
+    it, so that its first call runs at once: TensorFlow instantiates a function (placement, partitioning, an
+    executor and every kernel) at its first call, and keeps the instantiation for later calls with the same options
+    and arguments' devices and dtypes. The call is made with empty tensors of the arguments' dtypes and devices and a
+    cancellation manager cancelled beforehand: the eager runtime instantiates the function and caches the kernel,
+    then the function runtime refuses to start a cancelled call ("Function was cancelled before it was started",
+    FunctionLibraryRuntimeImpl::Run) and no node runs. False, with nothing done, when the arguments are not all
+    tensors of the function's inputs' dtypes, or one is a resource or a variant (their handles' shapes are part of
+    the instantiation). Raises RewriteError if the instantiation fails (the function could not run either) or if
+    the call was not refused."""
+    if specs is None:
+        return False
+    n_user = len(fn.inputs) - len(fn.captured_inputs)
+    inputs = fn.inputs[:n_user]
+    if len(specs) != n_user or any(dtype != t.dtype or dtype in (tf.resource, tf.variant)
+                                   for (dtype, _), t in zip(specs, inputs)):
+        return False
+    empty = []
+    for (dtype, device), t in zip(specs, inputs):
+        shape = [0] * (t.shape.rank or 0)
+        with tf.device(device):
+            empty.append(tf.fill(shape, "") if dtype == tf.string else tf.zeros(shape, dtype))
+    atomic = fn._inference_function
+    ctx = context.context()
+    with grappler_off():  # the call options the step's own calls have (call_without_grappler)
+        attrs = tuple(itertools.chain(*ctx.function_call_options.as_attrs().items()))
+    manager = cancellation.CancellationManager()
+    manager.start_cancel()
+    try:
+        execute.execute_with_cancellation(atomic.name.decode(), num_outputs=len(atomic.function_type.flat_outputs),
+                                          inputs=empty + list(fn.captured_inputs), attrs=attrs, ctx=ctx,
+                                          cancellation_manager=manager)
+    except tf.errors.CancelledError:
+        return True
+    except tf.errors.OpError as e:
+        raise RewriteError(f"the rebuilt step does not instantiate: {e.message}") from e
+    raise RewriteError("a cancelled call of the rebuilt step was not refused")
