@@ -867,9 +867,12 @@ class ManagedStep:
             state.passive_fn = rewrite.passive_step(state.concrete, args, state.passive_def)
         state.snapshot.take()
         tf.config.experimental.reset_memory_stats(DEVICE)
+        ops.drain_stalls()
+        before = ops.host_store_stats()
         t0 = time.perf_counter()
         reruns = 0
         refusals = ops.allocator_stats()["refusals"]
+        drained = None
         while True:
             if self.options.verbose and (error is not None or reruns):
                 print(f"capuchin_tf: out of memory {'again' if not reruns else 'in passive mode'}; running this step "
@@ -884,7 +887,7 @@ class ManagedStep:
                 failure = e
             finally:
                 ops.set_passive_mode(False)
-                ops.drain_stalls()
+                drained = ops.drain_stalls()
             state.snapshot.restore(recovery.possibly_written(state.passive_def, state.writes,
                                                              recovery.failed_node(failure)))
             if reruns >= MEASURED_RETRIES:
@@ -898,9 +901,17 @@ class ManagedStep:
                     raise self._failure(state, failure, passive=True) from error
                 raise named from error
             reruns += 1
-        state.history.append(StepRecord("passive", time.perf_counter() - t0,
-                                        tf.config.experimental.get_memory_info(DEVICE)["peak"],
-                                        retried=retried + reruns))
+        # What the pool evicted and moved on demand (every run of this call) and what the completed run waited for,
+        # as a guided step records them: a passive step evicts most of what it saves.
+        seconds = time.perf_counter() - t0
+        after = ops.host_store_stats()
+        state.history.append(StepRecord("passive", seconds, tf.config.experimental.get_memory_info(DEVICE)["peak"],
+                                        retried=retried + reruns,
+                                        passive_evictions=after["passive_evictions"] - before["passive_evictions"],
+                                        passive_evicted_bytes=(after["passive_evicted_bytes"]
+                                                               - before["passive_evicted_bytes"]),
+                                        moved_bytes=after["device_moved_bytes"] - before["device_moved_bytes"],
+                                        waited_s=dict(summarize_stalls(drained).by_kind) if drained else {}))
         state.steps_since_change = 0
         return outputs
 
