@@ -244,18 +244,19 @@ class ManagedStep:
         """The running plan's prediction (Plan.prediction), on the signature's trace: a plan made before the trace
         was re-timed (_retime) is simulated again on it, with the link model of its clock."""
         plan, trace = st.plan, st.trace
+        net = (self.options.budget_bytes or st.plan_budget) if self.safety_net else None  # what the pool keeps to
         if plan.trace_step_s == trace.step_time or trace.step_time <= 0:
-            return plan.prediction(lower_bound_s(trace, plan))
+            return plan.prediction(lower_bound_s(trace, plan), net_budget_bytes=net)
         try:
             plan = dataclasses.replace(plan, device=DeviceModel.from_link(self.options.link, trace))
             sim = simulate(trace, plan)
         except Exception as e:  # noqa: BLE001  (a report never fails: the plan's own prediction, and why)
-            return {**st.plan.prediction(lower_bound_s(trace, st.plan)), "on_retimed_trace": False,
-                    "retimed_error": f"{type(e).__name__}: {e}"}
+            return {**st.plan.prediction(lower_bound_s(trace, st.plan), net_budget_bytes=net),
+                    "on_retimed_trace": False, "retimed_error": f"{type(e).__name__}: {e}"}
         out = dataclasses.replace(plan, predicted_step_s=sim.step_time, trace_step_s=trace.step_time,
                                   predicted_peak_bytes=sim.peak_bytes + plan.margin_bytes,
                                   predicted_stall_s=sim.stall_s, predicted_recompute_s=sim.recompute_s,
-                                  ).prediction(lower_bound_s(trace, plan))
+                                  ).prediction(lower_bound_s(trace, plan), net_budget_bytes=net)
         return {**out, "on_retimed_trace": True}
 
     def __call__(self, *args, **kwargs):

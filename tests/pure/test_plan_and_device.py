@@ -86,3 +86,18 @@ def test_bad_links_are_refused_clearly():
             DeviceModel.from_link(bad)
     with pytest.raises(DeviceModelError):
         DeviceModel(0, 1e9)
+
+
+def test_a_plan_over_its_budget_is_predicted_with_the_excess_moved_on_demand_when_a_net_keeps_the_budget(plan):
+    # Under a safety net that evicts on demand, a plan predicted over the budget moves at least the excess out and
+    # back each step in the step's path, and its peak is the budget; without a net the simulator's figures stand.
+    budget = plan.predicted_peak_bytes - 8 * (1 << 20)
+    bare, netted = plan.prediction(), plan.prediction(net_budget_bytes=budget)
+    moved = plan.device.swap_out_time(8 << 20) + plan.device.swap_in_time(8 << 20)
+    assert bare["predicted_over_budget_bytes"] == 0 and bare["predicted_on_demand_s"] == 0
+    assert bare["predicted_peak_bytes"] == plan.predicted_peak_bytes
+    assert netted["predicted_over_budget_bytes"] == 8 << 20 and netted["predicted_on_demand_s"] == pytest.approx(moved)
+    assert netted["predicted_peak_bytes"] == budget
+    assert netted["predicted_step_ratio"] == pytest.approx(bare["predicted_step_ratio"] + moved / plan.trace_step_s)
+    # A plan within the net's budget is predicted as the simulator says.
+    assert plan.prediction(net_budget_bytes=plan.predicted_peak_bytes) == bare
