@@ -71,6 +71,36 @@ def test_an_allocation_over_the_budget_fails_at_once_and_passes_without_it(simul
     assert r["off_ok"] and r["peak_off"] > BUDGET
 
 
+AT_THE_DEVICE = """
+import json
+import time
+import tensorflow as tf
+from capuchin_tf.tf import ops
+
+MiB = 1 << 20
+base = tf.fill([40 * MiB // 4], 2.0)
+ops.set_memory_budget({device_mb} * MiB)  # the budget is the device's size: the device's own limit enforces it
+t0 = time.perf_counter()
+try:
+    over = tf.fill([40 * MiB // 4], 3.0)  # 40 + 40 MiB on a 64 MiB device
+    refused = None
+except tf.errors.ResourceExhaustedError as e:
+    refused = str(e)
+print(json.dumps({{"refused": refused, "refuse_s": time.perf_counter() - t0,
+                   "enforced": ops.allocator_stats()["budget_bytes"]}}))
+"""
+
+
+def test_at_a_budget_of_the_devices_size_an_allocation_that_does_not_fit_fails_at_once(simulated_device):
+    # Benchmarks run guided steps on a device of the budget's size. There BFC itself refuses, and with a budget set
+    # the wrapper asks it not to wait for frees: a guided step whose plan did not fit waited 10 s an attempt, 30 s a
+    # call (the transformer's checkpoint plan at 79 MiB), before the runtime's retries and rescue ran.
+    r = simulated_device(AT_THE_DEVICE.format(device_mb=64), limit_mb=64)
+    assert r["enforced"] == 64 * MiB
+    assert r["refused"] is not None and "OOM when allocating" in r["refused"], r["refused"]
+    assert r["refuse_s"] < 2.0, "refused at once, not after BFC's 10 s of waiting for frees"
+
+
 ODD_SIZES = """
 import json
 import random

@@ -373,10 +373,15 @@ class ManagedStep:
         return outputs
 
     @contextlib.contextmanager
-    def _budget(self):
-        """The allocator enforces the budget while a managed step runs (when it is below the device's size)."""
+    def _budget(self, plain: bool = False):
+        """The allocator enforces the budget while a managed step runs (on the simulated device: when the budget is
+        below the device's size; at or above it the device's own limit does, and the allocator, knowing a budget is
+        set, fails an allocation there at once instead of BFC's 10 s wait for frees: docs/decisions.md, "No wait at
+        the budget"). A `plain` step (plain TensorFlow's, the `tf` policy) keeps BFC's own behaviour on a device of
+        the budget's size: it is the baseline."""
         limit = device_limit_bytes()
-        on = self.options.budget_bytes is not None and limit is not None and self.options.budget_bytes < limit
+        on = (self.options.budget_bytes is not None and limit is not None
+              and (self.options.budget_bytes < limit or not plain))
         if on:
             ops.set_memory_budget(self.options.budget_bytes)
         try:
@@ -710,7 +715,7 @@ class ManagedStep:
             state.retimed = state.retimed or profile
             t0 = time.perf_counter()
             try:
-                with self._budget():
+                with self._budget(plain=state.fn is None):
                     if state.fn is None:
                         outputs = self._fn(*args)
                     else:
