@@ -187,9 +187,10 @@ def arg_specs(args) -> tuple | None:
 
 def preinstantiate(fn, specs: tuple | None) -> bool:
     """Instantiates `fn` (made by `rebuild`) for calls whose arguments are like `specs` (arg_specs) without running
-    it, so that its first call runs at once: TensorFlow instantiates a function (placement, partitioning, an
-    executor and every kernel) at its first call, and keeps the instantiation for later calls with the same options
-    and arguments' devices and dtypes. The call is made with empty tensors of the arguments' dtypes and devices and a
+    it, so that its first call runs almost at once: TensorFlow instantiates a function (placement, the graph passes,
+    partitioning) at its first call and keeps the instantiation for later calls with the same options and
+    arguments' devices and dtypes; the executor and its kernels are still made at the first real call. The call is
+    made with empty tensors of the arguments' dtypes and devices and a
     cancellation manager cancelled beforehand: the eager runtime instantiates the function and caches the kernel,
     then the function runtime refuses to start a cancelled call ("Function was cancelled before it was started",
     FunctionLibraryRuntimeImpl::Run) and no node runs. False, with nothing done, when the arguments are not all

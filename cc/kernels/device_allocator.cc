@@ -461,11 +461,9 @@ void* CapuchinAllocator::AllocateWithinBudget(size_t alignment, size_t num_bytes
   const int64_t bytes_added = MaxBytesAdded(num_bytes);
   HostStore* store = HostStore::Global();
   if (!store->passive()) {
-    // Refused: fail at once, and the runtime retries the step with a tighter plan. Admitted but not placed (the
-    // device's free memory split, on a device of the budget's size), fail at once too: BFC's own wait for frees at
-    // its limit delayed the same error by 10 s an attempt (a guided step whose plan does not fit took 30 s in three
-    // attempts before the runtime's rescue: docs/decisions.md, "No wait at the budget").
-    ptr = Admit(budget, bytes_added, &excess, [&] { return base_->AllocateRaw(alignment, num_bytes, no_retry); });
+    // Refused: fail at once, and the runtime retries the step with a tighter plan. BFC's own wait at its limit
+    // would mostly delay the same error by 10 s. Admitted, the allocation runs as it would without a budget.
+    ptr = Admit(budget, bytes_added, &excess, [&] { return base_->AllocateRaw(alignment, num_bytes, attr); });
   } else {
     // Passive mode, as in AllocateRaw with the budget in place of the device's limit: over the budget, evict the
     // oldest evictable tensors until `excess` bytes are freed, anywhere on the device (it is larger than the budget:
