@@ -118,15 +118,16 @@ def tighter_plan(plan_for: Callable[[int], Plan], current_budget: int,
 # ---- measured arbitration (beyond the paper) ------------------------------------------------------------------------
 # The simulator models memory as bytes, not as the allocator's layout: a plan that fits by bytes can still wait for
 # copies on demand every step, where a plan of another shape runs with room to spare (docs/decisions.md, "Measured
-# arbitration"). So when a settled
-# guided step waits for copies on demand for at least TRIAL_FRACTION of its time, the plans of the policy's `trials`
-# (policy.Policy) are tried, each for TRIAL_STEPS measured steps (after the first, which instantiates the new step),
-# and kept only when measured faster than the plan that ran; a plan predicted slower than the incumbent was measured
-# is not tried (trial_may_win). The trial LEARNED_MARGIN is the policy's own plan made again with what the running
-# plan's steps were measured to need beyond its predicted placement (placement_error; the policy's
-# `placement_error_bytes`, hybrid.plan_capuchin): the plan's model learns from the measured step (docs/decisions.md,
-# "A placement error, assumed then learned"). It may start from the first guided step of a plan (the bytes it evicted
-# on demand are the evidence; its time, an instantiation, is not compared until a later step has run).
+# arbitration"). So when a settled guided step waits for copies on demand for at least TRIAL_FRACTION of its time, the
+# plans of the policy's `trials` (policy.Policy) are tried, each for TRIAL_STEPS measured steps (after the first,
+# which instantiates the new step), and kept only when measured faster than the plan that ran. A trial is expected to
+# take the incumbent's measured step, less what it waited on demand, times the two plans' predicted steps' ratio
+# (trial_expected_s); one not expected to be kept is not tried (trial_may_win), and the first that may win is. The
+# trial LEARNED_MARGIN is the policy's own plan made again with what the running plan's steps were measured to need
+# beyond its predicted placement (placement_error; the policy's `placement_error_bytes`, hybrid.plan_capuchin): the
+# plan's model learns from the measured step (docs/decisions.md, "A placement error, assumed then learned"). It may
+# start from the first guided step of a plan (the bytes it evicted on demand are the evidence; its time, an
+# instantiation, is not compared until a later step has run).
 ON_DEMAND_KINDS = ("passive_eviction", "evicted_get", "copy_wait", "device_move")  # core/stalls.py, lower case
 TRIAL_FRACTION = 0.05
 # None since 0bdc7aa (it was 5%): plans run over their predicted peak (docs/decisions.md, "A learned margin"), and a
@@ -134,7 +135,7 @@ TRIAL_FRACTION = 0.05
 TRIAL_PEAK_SLACK = 0.0
 TRIAL_STEPS = 2
 TRIAL_KEEP = 0.97  # the trial plan is kept when its median step is at most this fraction of the incumbent's
-TRIAL_PREDICTION_SLACK = 0.15  # a trial plan predicted slower than the incumbent's measured step by more is not tried
+TRIAL_PREDICTION_SLACK = 0.0  # a trial expected slower than TRIAL_KEEP of the incumbent's step by more is not tried
 LEARNED_MARGIN = "margin"  # a `trials` entry: the policy's own plan, with the placement error guided steps measured
 
 
@@ -154,14 +155,24 @@ def trial_candidate(plan: Plan, budget: int) -> bool:
     return plan.unreachable_op is None and plan.predicted_peak_bytes <= budget * (1 + TRIAL_PEAK_SLACK)
 
 
-def trial_may_win(plan: Plan, incumbent_s: float, speedup: float) -> bool:
-    """Whether a trial's `plan` may be measured faster than the plan that runs, whose guided steps take
-    `incumbent_s`: its predicted step (on the trace's clock, `speedup` times slower than the guided steps') is under
-    the incumbent's measured one, less TRIAL_PREDICTION_SLACK (the simulator's error the issue bounds). A plan
-    predicted slower than that cannot win the trial, and trying it costs a plan change and its measured steps (a
-    margin plan of recomputations predicted 1.80x the trace's step on the mlp, against its incumbent measured at
-    1.2x)."""
-    return plan.predicted_step_s <= (1 + TRIAL_PREDICTION_SLACK) * incumbent_s * speedup
+def trial_expected_s(trial_predicted_s: float, incumbent_predicted_s: float, incumbent_s: float,
+                     incumbent_waited_s: float) -> float:
+    """A trial plan's step as the incumbent's measured one predicts it: the incumbent's measured step `incumbent_s`
+    less what it waited for copies on demand (`incumbent_waited_s`: the simulator has none, and the trial plan is
+    expected to wait for none), times the trial's predicted step over the incumbent's (both on one trace and device
+    model). A ratio of two predictions, so that the simulator's error common to both (the trace's clock against the
+    guided steps', kernel times, per-step work) cancels (docs/decisions.md, "A trial must be expected to be kept")."""
+    if incumbent_predicted_s <= 0:
+        return trial_predicted_s
+    return max(0.0, incumbent_s - incumbent_waited_s) * trial_predicted_s / incumbent_predicted_s
+
+
+def trial_may_win(expected_s: float, incumbent_s: float) -> bool:
+    """Whether a trial plan expected to take `expected_s` a step (trial_expected_s) may be kept against an incumbent
+    measured at `incumbent_s`: expected at most TRIAL_KEEP of it (with TRIAL_PREDICTION_SLACK of room). A trial
+    that cannot be kept costs a plan change, the steps its build overlaps, and its measured steps (a margin plan of
+    recomputations predicted 1.80x the trace's step on the mlp, against its incumbent measured at 1.2x)."""
+    return expected_s <= (1 + TRIAL_PREDICTION_SLACK) * TRIAL_KEEP * incumbent_s
 
 
 def trial_keeps(incumbent_s: float, trial_steps_s) -> bool:

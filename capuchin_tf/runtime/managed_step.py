@@ -79,10 +79,12 @@ from capuchin_tf.policy.feedback import (
     TIGHTEN,
     TRIAL_STEPS,
     margin_candidate,
+    on_demand_s,
     placement_error,
     plan_after_step,
     tighter_plan,
     trial_candidate,
+    trial_expected_s,
     trial_keeps,
     trial_may_win,
     wants_trial,
@@ -981,11 +983,12 @@ class ManagedStep:
                   "move triggers earlier", flush=True)
 
     def _arbitrate(self, state: SignatureState, record: StepRecord) -> bool | None:
-        """Measured arbitration after a guided step (policy.feedback: wants_trial, trial_candidate, trial_may_win,
-        trial_keeps): a settled step that waited for copies on demand for TRIAL_FRACTION of its time has the plan of
-        each of the policy's `trials` tried for TRIAL_STEPS measured steps (in the background: the first candidate that
-        plans, fits and builds), kept only if measured faster. True: the plan changed; False: it did not and the
-        feedback leaves this step (a trial under way); None: no arbitration, the feedback goes on."""
+        """Measured arbitration after a guided step (policy.feedback: wants_trial, trial_candidate, trial_expected_s,
+        trial_may_win, trial_keeps): a settled step that waited for copies on demand for TRIAL_FRACTION of its time has
+        the first of the policy's `trials` that plans, fits, is expected to be kept and builds (in the background)
+        tried for TRIAL_STEPS measured steps, kept only if measured faster. True: the plan changed;
+        False: it did not and the feedback leaves this step (a trial under way); None: no arbitration, the feedback
+        goes on."""
         trial = state.trial
         if trial is not None:
             trial["steps"] += 1
@@ -994,8 +997,8 @@ class ManagedStep:
             if len(trial["seconds"]) < TRIAL_STEPS:
                 return False
             keep = trial_keeps(trial["incumbent_s"], trial["seconds"])
-            self._end_trial(state, keep, why=f"median step {statistics.median(trial['seconds']):.3f} s against "
-                                              f"{trial['incumbent_s']:.3f} s")
+            self._end_trial(state, keep, why=f"median step {statistics.median(trial['seconds']):.3f} s (expected "
+                                              f"{trial['expected_s']:.3f} s) against {trial['incumbent_s']:.3f} s")
             return not keep
         # (a trial that is the plan running, chosen by the policy's own fallback, is not tried again)
         running_as = dict(state.plan.options).get("fallback") if state.plan is not None else None
@@ -1034,20 +1037,25 @@ class ManagedStep:
             candidates.append((name, options))
         if not candidates:
             return None
-        incumbent_s = self._incumbent_s(state, record)
-        plan_budget, running, speedup = state.plan_budget, state.plan, state.speedup
+        incumbent_s, incumbent_waited_s = self._incumbent(state, record)
+        plan_budget, running = state.plan_budget, state.plan
         dtypes, shapes = self._tensor_info(state)
         background = self._in_background()
         specs = state.arg_specs if background else None  # instantiated in the build, off the critical path
         if self.options.verbose:
-            print(f"capuchin_tf: guided steps wait {record.waited_s} for copies on demand; trying the plans of "
-                  f"{', '.join(name for name, _ in candidates)} in turn", flush=True)
+            print(f"capuchin_tf: guided steps wait {record.waited_s} for copies on demand; planning the trials of "
+                  f"{', '.join(name for name, _ in candidates)}", flush=True)
 
         def job():
-            """The first candidate that plans, is predicted to fit, and builds: (what came of each, (name, plan,
-            budget, fn, GraphDef) or None). Planning and building only: it runs in a background build too."""
+            """The first candidate that plans, is predicted to fit, is expected to be kept (trial_expected_s,
+            trial_may_win) and builds: (what came of each, (name, plan, budget, fn, GraphDef) or None). Planning and
+            building only: it runs in a background build too."""
             tried = {}
             budget = plan_budget
+            try:  # the running plan on the trace and device model the trials are planned on
+                running_s = simulate(state.trace, running, device_model).step_time
+            except Exception:  # noqa: BLE001  (its own prediction, on the trace it was made on)
+                running_s = running.predicted_step_s
             for name, learned in candidates:
                 # The margin is this policy's own plan, made as its other plans are; other trials are their policies
                 # as they are.
@@ -1068,16 +1076,19 @@ class ManagedStep:
                                    f"not tried: placed at {plan.predicted_placed_peak_bytes} bytes, not below the "
                                    f"running plan's {running.predicted_placed_peak_bytes}")
                     continue
-                if not trial_may_win(plan, incumbent_s, speedup):
-                    tried[name] = (f"not tried: predicted {plan.predicted_step_s / speedup:.3f} s a step against "
-                                   f"{incumbent_s:.3f} s measured")
+                expected = trial_expected_s(plan.predicted_step_s, running_s, incumbent_s, incumbent_waited_s)
+                if not trial_may_win(expected, incumbent_s):
+                    tried[name] = (f"not tried: expected {expected:.3f} s a step (predicted "
+                                   f"{plan.predicted_step_s / running_s:.3f}x the running plan's step, which was "
+                                   f"measured {incumbent_s:.3f} s with {incumbent_waited_s:.3f} s of waits on "
+                                   f"demand)")
                     continue
                 try:
                     built = self._build(state, plan, dtypes, shapes, specs)
                 except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
                     tried[name] = f"not tried: the plan could not be applied ({type(e).__name__}: {e})"
                     continue
-                return tried, (name, plan, budget, *built)
+                return tried, (name, plan, budget, expected, *built)
             return tried, None
 
         def then(result) -> bool:
@@ -1088,14 +1099,16 @@ class ManagedStep:
                     print(f"capuchin_tf: the {name} plan is {what}", flush=True)
             if found is None:
                 return False
-            name, plan, budget, fn, graph_def = found
+            name, plan, budget, expected, fn, graph_def = found
             incumbent = (state.plan, state.plan_budget, state.fn, state.guided_def)
-            # Started at the instantiating step: measured against the incumbent's steps that ran since.
-            against = self._incumbent_s(state, record) if early else incumbent_s
+            # Started at the instantiating step: measured against the incumbent's steps that ran since (and expected
+            # at the same fraction of them).
+            against = self._incumbent(state, record)[0] if early else incumbent_s
+            expected *= against / incumbent_s if incumbent_s > 0 else 1.0
             self._commit(state, plan, budget, fn, graph_def)
             state.replans += 1
-            state.trial = {"incumbent": incumbent, "incumbent_s": against, "policy": name, "steps": 0,
-                           "seconds": []}
+            state.trial = {"incumbent": incumbent, "incumbent_s": against, "expected_s": expected, "policy": name,
+                           "steps": 0, "seconds": []}
             state.tried[name] = "on trial"
             fallback = dict(plan.options).get("fallback")
             if name == LEARNED_MARGIN and fallback in POLICIES[self.options.policy].trials:
@@ -1110,13 +1123,15 @@ class ManagedStep:
         return then(job()) or None
 
     @staticmethod
-    def _incumbent_s(state: SignatureState, record: StepRecord) -> float:
+    def _incumbent(state: SignatureState, record: StepRecord) -> tuple[float, float]:
         """The median of the running plan's last three guided steps after the one that instantiated it, those that
-        ran beside a build only if no other did; `record`'s when there are none."""
+        ran beside a build only if no other did (`record` when there are none), and the median of what they waited for
+        copies on demand."""
         ran = ([r for r in state.history[-state.steps_since_change:] if r.phase == "guided"]
                if state.steps_since_change >= 1 else [])
-        ran = [r for r in ran if not r.building] or ran or [record]
-        return statistics.median([r.seconds for r in ran[-3:]])
+        ran = ([r for r in ran if not r.building] or ran or [record])[-3:]
+        return (statistics.median([r.seconds for r in ran]),
+                statistics.median([on_demand_s(r.waited_s) for r in ran]))
 
     def _end_trial(self, state: SignatureState, keep: bool, why: str) -> None:
         trial, state.trial = state.trial, None

@@ -198,19 +198,27 @@ def test_measured_arbitration_opens_a_trial_only_for_waits_on_demand_of_a_share_
     assert trial_keeps(1.0, [0.5, 0.9, 5.0])  # the median: one slow step does not decide
 
 
-def test_a_trial_is_not_made_of_a_plan_predicted_slower_than_the_incumbent_was_measured():
-    """trial_may_win: the trial plan's predicted step (the trace's clock) against the incumbent's measured guided
-    step times the speed-up of guided steps over the trace, with TRIAL_PREDICTION_SLACK of room."""
-    import dataclasses
+def test_a_trial_is_made_only_of_a_plan_expected_to_be_kept():
+    """trial_expected_s: the incumbent's measured step less its waits on demand, times the ratio of the trial's
+    predicted step to the incumbent's; trial_may_win: expected at most TRIAL_KEEP of the incumbent's measured step."""
+    import pytest
 
-    from capuchin_tf.policy.feedback import TRIAL_PREDICTION_SLACK, trial_may_win
+    from capuchin_tf.policy.feedback import TRIAL_KEEP, TRIAL_PREDICTION_SLACK, trial_expected_s, trial_may_win
 
-    plan = dataclasses.replace(PLAN, predicted_step_s=2.0)
-    assert trial_may_win(plan, incumbent_s=2.0, speedup=1.0)
-    assert trial_may_win(plan, incumbent_s=2.0 / (1 + TRIAL_PREDICTION_SLACK) + 1e-9, speedup=1.0)
-    assert not trial_may_win(plan, incumbent_s=2.0 / (1 + TRIAL_PREDICTION_SLACK) * 0.99, speedup=1.0)
-    assert trial_may_win(plan, incumbent_s=1.0, speedup=2.0)  # guided steps twice as fast as the trace's clock
-    assert not trial_may_win(plan, incumbent_s=1.0, speedup=1.5)
+    # the same predicted step: the waits on demand are what it saves
+    assert trial_expected_s(0.4, 0.4, incumbent_s=0.56, incumbent_waited_s=0.06) == pytest.approx(0.50)
+    # the predictions' common error cancels: predicted 10% slower is expected 10% slower than the step without waits
+    assert trial_expected_s(0.44, 0.40, incumbent_s=0.56, incumbent_waited_s=0.06) == pytest.approx(0.55)
+    assert trial_expected_s(4.4, 4.0, incumbent_s=0.56, incumbent_waited_s=0.06) == pytest.approx(0.55)
+    assert trial_expected_s(0.3, 0.0, incumbent_s=1.0, incumbent_waited_s=0.0) == 0.3  # nothing to scale by
+    keep = (1 + TRIAL_PREDICTION_SLACK) * TRIAL_KEEP
+    assert trial_may_win(keep * 0.56, 0.56)
+    assert not trial_may_win(keep * 0.56 * 1.001, 0.56)
+    # a plan predicted like the incumbent wins when the incumbent waited on demand for more than 1 - TRIAL_KEEP
+    assert trial_may_win(trial_expected_s(0.4, 0.4, 0.56, 0.06), 0.56)
+    assert not trial_may_win(trial_expected_s(0.4, 0.4, 0.56, 0.01), 0.56)
+    # predicted 10% slower: its 0.06 s of waits do not pay for it
+    assert not trial_may_win(trial_expected_s(0.44, 0.40, 0.56, 0.06), 0.56)
 
 
 def test_the_placement_error_is_what_was_evicted_on_demand_beyond_the_predicted_placement():
