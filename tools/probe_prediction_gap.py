@@ -51,10 +51,10 @@ def main() -> int:
     calls = [0]
 
     @contextlib.contextmanager
-    def measured_step_only(self):  # the budget holds for the measured step only
+    def measured_step_only(self, plain: bool = False):  # the budget holds for the measured step only
         calls[0] += 1
         if calls[0] == 1:
-            with enforce(self):
+            with enforce(self, plain=plain):
                 yield
         else:
             yield
