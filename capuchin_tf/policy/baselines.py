@@ -139,6 +139,7 @@ def forward_order(idx: TraceIndex, pure: list[bool]) -> dict[int, int]:
 
 
 ARTICULATION_MIN_FRACTION = 0.01  # crossers under this fraction of the largest forward tensor do not count
+CHECKPOINT_COUNT_SPREAD = 1  # checkpoint counts tried on either side of Chen's sqrt(n) (plan_checkpoint)
 
 
 def articulation_points(idx: TraceIndex, min_fraction: float = ARTICULATION_MIN_FRACTION) -> list[str]:
@@ -187,7 +188,12 @@ def articulation_points(idx: TraceIndex, min_fraction: float = ARTICULATION_MIN_
 
 
 def plan_checkpoint(trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, **options) -> Plan:
-    """Chen et al.'s sqrt(n) checkpointing over the articulation points of the forward chain."""
+    """Chen et al.'s sqrt(n) checkpointing over the articulation points of the forward chain, with Chen's search over
+    the count: the grids of round(n / round(sqrt(n))) checkpoints and one fewer and one more (CHECKPOINT_COUNT_SPREAD)
+    are each planned and simulated, and the fastest predicted to fit the budget is taken, else the lowest peak.
+    Which point of two with the same backward bytes between them the grid lands on depends on the forward order the
+    trace ran in, and one count's segments can keep a loss-sized tensor live where its neighbour's do not
+    (docs/decisions.md, "Checkpoint counts searched")."""
     started = time.perf_counter()
     ctx = make_context(trace, budget_bytes, device_model, index=options.get("index"),
                        margin_bytes=options.get("margin_bytes"))
@@ -200,7 +206,42 @@ def plan_checkpoint(trace: AccessTrace, budget_bytes: int, device_model: DeviceM
         if pure[idx.tensors[t].prod_pos] and (p := _backward_pair(idx, t, device_model)) is not None
     }
     points = [t for t in articulation_points(idx) if t in pairs]
-    kept_points = _sqrt_grid(idx, rank, points, pairs)
+    grids: list[tuple[int, list[str]]] = []
+    for count in _checkpoint_counts(len(points)):
+        grid = _sqrt_grid(idx, rank, points, pairs, count)
+        if all(grid != g for _, g in grids):
+            grids.append((count, grid))
+    plans = []
+    for count, kept_points in grids:
+        decisions = _checkpoint_decisions(ctx, rank, pairs, kept_points)
+        plans.append(finalize(
+            ctx,
+            "checkpoint",
+            decisions,
+            options={"margin_bytes": options.get("margin_bytes"), "checkpoints": len(kept_points),
+                     "articulation_points": len(points),
+                     "counts_tried": tuple(c for c, _ in grids)},
+            started=started,
+        ))
+    fitting = [q for q in plans if q.feasible]
+    if fitting:
+        return min(fitting, key=lambda q: (q.predicted_step_s, q.predicted_peak_bytes))
+    return min(plans, key=lambda q: (q.predicted_peak_bytes, q.predicted_step_s))
+
+
+def _checkpoint_counts(points: int) -> list[int]:
+    """The checkpoint counts tried for `points` articulation points: Chen's n // round(sqrt(n)) first, then its
+    neighbours within CHECKPOINT_COUNT_SPREAD (at least 1, at most n); [0] when there are none."""
+    if points <= 0:
+        return [0]
+    k = points // max(1, round(math.sqrt(points)))
+    return [c for c in range(k - CHECKPOINT_COUNT_SPREAD, k + CHECKPOINT_COUNT_SPREAD + 1) if 1 <= c <= points]
+
+
+def _checkpoint_decisions(ctx, rank: dict[int, int], pairs: dict[str, CandidatePair],
+                          kept_points: list[str]) -> list[RecomputeDecision]:
+    """Every pure forward tensor that is not a kept checkpoint dropped and rebuilt by its segment's replay."""
+    idx = ctx.idx
     keep = set(kept_points)
     dropped = {
         t: p
@@ -223,26 +264,16 @@ def plan_checkpoint(trace: AccessTrace, budget_bytes: int, device_model: DeviceM
     segment = {t: bisect.bisect_left(cuts, rank[idx.tensors[t].prod_pos]) for t in dropped}
     reasons = {t: "checkpoint: not a kept articulation point; its segment is rebuilt from the previous checkpoint"
                for t in dropped}
-    decisions = _assemble_segments(ctx, dropped, segment, res, reasons)
-    return finalize(
-        ctx,
-        "checkpoint",
-        decisions,
-        options={"margin_bytes": options.get("margin_bytes"), "checkpoints": len(keep),
-                 "articulation_points": len(points)},
-        started=started,
-    )
+    return _assemble_segments(ctx, dropped, segment, res, reasons)
 
 
-def _sqrt_grid(idx: TraceIndex, rank: dict[int, int], points: list[str], pairs: dict[str, CandidatePair]) -> list[str]:
-    """len(points) // round(sqrt(len(points))) checkpoints among the articulation points, placed on an even grid of
-    the bytes the backward pass reads (cumulative, in forward order) rather than of the point count: points bunch up
-    where the graph is a plain chain (embeddings, dropout masks) and an even count grid would leave one segment with
-    most of the activations."""
-    if not points:
+def _sqrt_grid(idx: TraceIndex, rank: dict[int, int], points: list[str], pairs: dict[str, CandidatePair],
+               k: int) -> list[str]:
+    """`k` checkpoints among the articulation points, placed on an even grid of the bytes the backward pass reads
+    (cumulative, in forward order) rather than of the point count: points bunch up where the graph is a plain chain
+    (embeddings, dropout masks) and an even count grid would leave one segment with most of the activations."""
+    if not points or k <= 0:
         return []
-    every = max(1, round(math.sqrt(len(points))))
-    k = len(points) // every
     sizes = sorted((rank[idx.tensors[t].prod_pos], p.nbytes) for t, p in pairs.items())
     ranks = [r for r, _ in sizes]
     cum = [0]

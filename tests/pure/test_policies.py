@@ -1,5 +1,6 @@
 """The registered policies on synthetic traces: registry, plans the simulator accepts, the baselines' rules."""
 
+import ast
 import gzip
 import json
 import math
@@ -173,7 +174,9 @@ def test_checkpoint_keeps_articulation_points_on_a_sqrt_grid_and_recomputes_segm
     opts = dict(plan.options)
     read_in_backward = [t for t in points if any(idx.op_role[p] == Role.BACKWARD for p in idx.tensors[t].acc_pos)]
     assert opts["articulation_points"] == len(read_in_backward)
-    assert opts["checkpoints"] == len(read_in_backward) // max(1, round(math.sqrt(len(read_in_backward))))
+    chen = len(read_in_backward) // max(1, round(math.sqrt(len(read_in_backward))))
+    # Chen's count is searched with its neighbours
+    assert chen in ast.literal_eval(opts["counts_tried"]) and abs(opts["checkpoints"] - chen) <= 1
     recomputed = {d.tensor for d in plan.recomputes}
     kept = [t for t in read_in_backward if t not in recomputed]
     assert len(kept) == opts["checkpoints"]
