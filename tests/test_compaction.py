@@ -214,15 +214,20 @@ from capuchin_tf.runtime import recovery
 a = tf.Variable(np.arange(6, dtype=np.float32))
 b = tf.Variable(np.int64(7))
 c = tf.Variable(np.ones(3, np.float16), shape=tf.TensorShape(None))
-snapshot = recovery.Snapshot([a.handle, b.handle, c.handle], [0, 1, 2])
+d = tf.Variable([1.5, -2.0], dtype=tf.bfloat16)  # no buffer protocol for bfloat16: read through .numpy()
+e = tf.Variable([True, False])
+snapshot = recovery.Snapshot([a.handle, b.handle, c.handle, d.handle, e.handle], [0, 1, 2, 3, 4])
 seen, kept = [], []
 for step in range(3):
     snapshot.take()  # the first reads one variable at a time, the later ones in one call
     kept.append([id(v) for v in snapshot.values.values()])
     a.assign_add(tf.ones(6)); b.assign_add(1); c.assign(np.full(step + 4, 2.5, np.float16))
+    d.assign_add(tf.ones(2, tf.bfloat16)); e.assign(tf.logical_not(e))
     snapshot.restore()
-    seen.append([a.numpy().tolist(), int(b.numpy()), c.numpy().tolist()])
+    seen.append([a.numpy().tolist(), int(b.numpy()), c.numpy().tolist(), d.numpy().astype(float).tolist(),
+                 e.numpy().tolist()])
     a.assign_add(tf.fill([6], 10.0)); b.assign_add(100)  # the step that ran: the next snapshot takes these
+    d.assign_add(tf.fill([2], tf.constant(10.0, tf.bfloat16))); e.assign([step % 2 == 0, True])
     c.assign(np.full(step + 2, 0.5, np.float16))  # ... and c of another shape each time
 print(json.dumps({"seen": seen, "reused": kept[1][:2] == kept[2][:2], "one_call": snapshot._read is not None}))
 """
@@ -234,7 +239,7 @@ def test_each_snapshot_holds_the_values_at_its_own_take_and_restores_them_whatev
     r = simulated_device(REPEATED, limit_mb=64)
     assert r["one_call"] and r["reused"]
     assert r["seen"] == [
-        [[0, 1, 2, 3, 4, 5], 7, [1, 1, 1]],
-        [[10, 11, 12, 13, 14, 15], 107, [0.5, 0.5]],
-        [[20, 21, 22, 23, 24, 25], 207, [0.5, 0.5, 0.5]],
+        [[0, 1, 2, 3, 4, 5], 7, [1, 1, 1], [1.5, -2.0], [True, False]],
+        [[10, 11, 12, 13, 14, 15], 107, [0.5, 0.5], [11.5, 8.0], [True, True]],
+        [[20, 21, 22, 23, 24, 25], 207, [0.5, 0.5, 0.5], [21.5, 18.0], [False, True]],
     ], r

@@ -20,6 +20,7 @@ optimized GraphDef, the graph the executor runs, where conds and loops are lower
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -158,6 +159,33 @@ def variable_dtype(handle) -> tf.DType | None:
     return None if dtype in (tf.resource, tf.variant, tf.string) else dtype
 
 
+# A copy that keeps the interpreter's lock (ctypes' PYFUNCTYPE: the call does not release it, where numpy's copies
+# and EagerTensor.numpy() do). While a plan is built in the background, each release by the step's thread is a wait of
+# up to the switch interval for the build's thread to hand the lock back: 250 variables cost 80-85 ms a snapshot
+# against 5 ms quiet (docs/decisions.md, "One call for the host snapshot").
+_memmove_holding_the_lock = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                              ctypes.c_size_t)(ctypes._memmove_addr)
+
+
+def _host_view(value) -> np.ndarray:
+    """A CPU tensor's buffer as an array, without a copy and without releasing the interpreter's lock (the buffer
+    protocol); `.numpy()` (a copy) for the dtypes it does not carry (bfloat16)."""
+    try:
+        return np.asarray(memoryview(value))
+    except (ValueError, TypeError, BufferError):
+        return value.numpy()
+
+
+def _copy_holding_the_lock(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src for arrays of one shape and dtype, by one memmove that keeps the interpreter's lock when both
+    are contiguous (np.copyto otherwise)."""
+    if dst.flags.c_contiguous and src.flags.c_contiguous and dst.nbytes == src.nbytes:
+        if dst.nbytes:
+            _memmove_holding_the_lock(dst.ctypes.data, src.ctypes.data, dst.nbytes)
+    else:
+        np.copyto(dst, src)
+
+
 class Snapshot:
     """Host copies of resource variables, given by their handles (a function's captures)."""
 
@@ -193,12 +221,12 @@ class Snapshot:
             read = self._read()
         values = {}
         for i, value in zip(self.indices, read):
-            value = value.numpy()
+            value = _host_view(value)
             kept = self.values.get(i)
             # The last snapshot's host buffers are reused when the value keeps its shape: writing pages already
             # mapped costs a copy; new ones cost a page fault every 4 KiB on top of it.
             if kept is not None and kept.shape == value.shape and kept.dtype == value.dtype:
-                np.copyto(kept, value)
+                _copy_holding_the_lock(kept, value)
                 values[i] = kept
             else:
                 values[i] = np.array(value, copy=True)
