@@ -597,8 +597,9 @@ TRIAL_BUDGET_MB, TRIAL_STEPS = 79, 14
 
 def test_a_measured_arbitration_tries_its_candidates_in_order_and_the_step_stays_bit_for_bit(simulated_device):
     """Measured arbitration (policy.feedback, "measured arbitration"), forced: from the second guided step on, the
-    capuchin policy's trials run in order (its own plan made again with the placement error its steps were measured
-    to have, then the checkpoint plan, then the recomputation half's), each for two measured steps after the one that
+    capuchin policy's trials run (its own plan made again with the placement error its steps were measured to have
+    first, from the first guided step; then, of the checkpoint plan and each half's, the one expected fastest), each
+    for two measured steps after the one that
     instantiates it, and stay or are dropped; every step is guided, under the budget on a device twice its size, with
     plain TensorFlow's losses and variables."""
     plain = simulated_device(TRIAL.format(fraction=0.0, budget=0, steps=TRIAL_STEPS), limit_mb=4096, timeout=600)

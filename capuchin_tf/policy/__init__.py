@@ -84,10 +84,10 @@ register_policy("recompute-only", plan_recompute_only, safety_net=True)
 # that half's plan runs (docs/policy.md, "fallback"); the policy benchmarks call plan_capuchin without it, so that they
 # compare the paper's algorithm as it is. Beyond the paper, when the copies on demand make guided steps slow, a managed
 # step measures against the plan that runs: its own plan made again with the placement error its guided steps were
-# measured to have (a learned margin), then the checkpoint plan, then the recomputation half's (policy.feedback,
-# "measured arbitration"); Capuchin's halves, run as baselines, do not.
+# measured to have (a learned margin), the checkpoint plan and each of its halves', the one expected fastest first
+# (policy.feedback, "measured arbitration"); Capuchin's halves, run as baselines, do not.
 register_policy("capuchin", plan_capuchin, safety_net=True, runtime_options={"fallback": True},
-                trials=("margin", "checkpoint", "recompute-only"))
+                trials=("margin", "checkpoint", "recompute-only", "swap-only"))
 
 
 def get_policy(name: str) -> Policy:

@@ -122,12 +122,12 @@ def tighter_plan(plan_for: Callable[[int], Plan], current_budget: int,
 # plans of the policy's `trials` (policy.Policy) are tried, each for TRIAL_STEPS measured steps (after the first,
 # which instantiates the new step), and kept only when measured faster than the plan that ran. A trial is expected to
 # take the incumbent's measured step, less what it waited on demand, times the two plans' predicted steps' ratio
-# (trial_expected_s); one not expected to be kept is not tried (trial_may_win), and the first that may win is. The
-# trial LEARNED_MARGIN is the policy's own plan made again with what the running plan's steps were measured to need
-# beyond its predicted placement (placement_error; the policy's `placement_error_bytes`, hybrid.plan_capuchin): the
-# plan's model learns from the measured step (docs/decisions.md, "A placement error, assumed then learned"). It may
-# start from the first guided step of a plan (the bytes it evicted on demand are the evidence; its time, an
-# instantiation, is not compared until a later step has run).
+# (trial_expected_s); one not expected to be kept is not tried (trial_may_win), and of those that may win the one
+# expected fastest is. The trial LEARNED_MARGIN is the policy's own plan made again with what the running plan's steps
+# were measured to need beyond its predicted placement (placement_error; the policy's `placement_error_bytes`,
+# hybrid.plan_capuchin): the plan's model learns from the measured step (docs/decisions.md, "A placement error,
+# assumed then learned"). It may start from the first guided step of a plan (the bytes it evicted on demand are the
+# evidence; its time, an instantiation, is not compared until a later step has run).
 ON_DEMAND_KINDS = ("passive_eviction", "evicted_get", "copy_wait", "device_move")  # core/stalls.py, lower case
 TRIAL_FRACTION = 0.05
 # None since 0bdc7aa (it was 5%): plans run over their predicted peak (docs/decisions.md, "A learned margin"), and a

@@ -985,8 +985,8 @@ class ManagedStep:
     def _arbitrate(self, state: SignatureState, record: StepRecord) -> bool | None:
         """Measured arbitration after a guided step (policy.feedback: wants_trial, trial_candidate, trial_expected_s,
         trial_may_win, trial_keeps): a settled step that waited for copies on demand for TRIAL_FRACTION of its time has
-        the first of the policy's `trials` that plans, fits, is expected to be kept and builds (in the background)
-        tried for TRIAL_STEPS measured steps, kept only if measured faster. True: the plan changed;
+        the policy's `trials` planned (in the background) and the one expected fastest of those that fit and may be
+        kept tried for TRIAL_STEPS measured steps, kept only if measured faster. True: the plan changed;
         False: it did not and the feedback leaves this step (a trial under way); None: no arbitration, the feedback
         goes on."""
         trial = state.trial
@@ -1047,15 +1047,17 @@ class ManagedStep:
                   f"{', '.join(name for name, _ in candidates)}", flush=True)
 
         def job():
-            """The first candidate that plans, is predicted to fit, is expected to be kept (trial_expected_s,
-            trial_may_win) and builds: (what came of each, (name, plan, budget, fn, GraphDef) or None). Planning and
-            building only: it runs in a background build too."""
+            """Of the candidates that plan, are predicted to fit and are expected to be kept (trial_expected_s,
+            trial_may_win), the one expected fastest that builds: (what came of each, (name, plan, budget, expected,
+            fn, GraphDef) or None); the others stay untried, for a later arbitration. Planning and building only: it
+            runs in a background build too."""
             tried = {}
             budget = plan_budget
             try:  # the running plan on the trace and device model the trials are planned on
                 running_s = simulate(state.trace, running, device_model).step_time
             except Exception:  # noqa: BLE001  (its own prediction, on the trace it was made on)
                 running_s = running.predicted_step_s
+            may_win = []
             for name, learned in candidates:
                 # The margin is this policy's own plan, made as its other plans are; other trials are their policies
                 # as they are.
@@ -1083,6 +1085,8 @@ class ManagedStep:
                                    f"measured {incumbent_s:.3f} s with {incumbent_waited_s:.3f} s of waits on "
                                    f"demand)")
                     continue
+                may_win.append((expected, len(may_win), name, plan))
+            for expected, _, name, plan in sorted(may_win):
                 try:
                     built = self._build(state, plan, dtypes, shapes, specs)
                 except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
