@@ -595,7 +595,7 @@ if {budget}:
 TRIAL_BUDGET_MB, TRIAL_STEPS = 79, 14
 
 
-def test_a_measured_arbitration_tries_its_candidates_in_order_and_the_step_stays_bit_for_bit(simulated_device):
+def test_a_measured_arbitration_tries_its_candidates_and_the_step_stays_bit_for_bit(simulated_device):
     """Measured arbitration (policy.feedback, "measured arbitration"), forced: from the second guided step on, the
     capuchin policy's trials run (its own plan made again with the placement error its steps were measured to have
     first, from the first guided step; then, of the checkpoint plan and each half's, the one expected fastest), each
