@@ -189,7 +189,7 @@ def articulation_points(idx: TraceIndex, min_fraction: float = ARTICULATION_MIN_
 
 def plan_checkpoint(trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, **options) -> Plan:
     """Chen et al.'s sqrt(n) checkpointing over the articulation points of the forward chain, with Chen's search over
-    the count: the grids of round(n / round(sqrt(n))) checkpoints and one fewer and one more (CHECKPOINT_COUNT_SPREAD)
+    the count: the grids of n // round(sqrt(n)) checkpoints and one fewer and one more (CHECKPOINT_COUNT_SPREAD)
     are each planned and simulated, and the fastest predicted to fit the budget is taken, else the lowest peak.
     Which point of two with the same backward bytes between them the grid lands on depends on the forward order the
     trace ran in, and one count's segments can keep a loss-sized tensor live where its neighbour's do not
