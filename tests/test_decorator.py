@@ -577,10 +577,11 @@ from capuchin_tf.cli import models
 
 feedback.TRIAL_FRACTION = {fraction}  # 0: any settled guided step opens the trial (the test forces one)
 feedback.TRIAL_PREDICTION_SLACK = float("inf")  # and every candidate is tried, whatever its predicted time
-feedback.TRIAL_PEAK_SLACK = float("inf")  # and peak (the allocator holds the budget; one that fails is dropped)
+# and peak (the allocator holds the budget; one that fails is dropped)
+from capuchin_tf.runtime import managed_step
+managed_step.trial_candidate = lambda plan, budget, evicted_on_demand=0: plan.unreachable_op is None
 # and the margin is made with a learned placement error of 32 MiB (above the prior, the 20 MiB logits) whatever the
 # steps evicted on demand
-from capuchin_tf.runtime import managed_step
 managed_step.placement_error = lambda plan, budget, evicted: 32 << 20
 setup = models.build("transformer", 32)
 if {budget}:

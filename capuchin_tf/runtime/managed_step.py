@@ -1012,6 +1012,7 @@ class ManagedStep:
         # error, assumed then learned").
         own = [r for r in state.history[-(state.steps_since_change + 1):] if r.phase == "guided"] or [record]
         evicted = max(r.passive_evicted_bytes for r in own)
+        least_evicted = min(r.passive_evicted_bytes for r in own)  # what a trial may be predicted over the budget by
         state.placement_error = max(state.placement_error,
                                     placement_error(state.plan, self.options.budget_bytes or state.plan_budget,
                                                     evicted))
@@ -1069,12 +1070,13 @@ class ManagedStep:
                     tried[name] = f"not tried: {type(e).__name__}: {e}"
                     continue
                 fits = (margin_candidate(plan, running, plan_budget) if name == LEARNED_MARGIN
-                        else trial_candidate(plan, plan_budget))
+                        else trial_candidate(plan, plan_budget, least_evicted))
                 if not fits:
                     tried[name] = (f"not tried: op {plan.unreachable_op!r} does not fit"
                                    if plan.unreachable_op is not None else
                                    f"not tried: predicted peak {plan.predicted_peak_bytes} bytes for a budget of "
-                                   f"{plan_budget}" if plan.predicted_peak_bytes > plan_budget else
+                                   f"{plan_budget} (the running plan's steps evicted {least_evicted} bytes on demand)"
+                                   if plan.predicted_peak_bytes > plan_budget else
                                    f"not tried: placed at {plan.predicted_placed_peak_bytes} bytes, not below the "
                                    f"running plan's {running.predicted_placed_peak_bytes}")
                     continue

@@ -167,7 +167,8 @@ def test_an_early_prefetch_changes_the_plan_only_when_bringing_it_back_cost_a_sh
 
 def test_measured_arbitration_opens_a_trial_only_for_waits_on_demand_of_a_share_of_the_step():
     """wants_trial counts evictions, on-demand swap-ins, copies in flight and moves, not late prefetches; a trial
-    plan is tried only when it reaches every op and is predicted within TRIAL_PEAK_SLACK of the budget; it stays only
+    plan is tried only when it reaches every op and is predicted within the budget, or over it by less than the running
+    plan's steps evicted on demand and by TRIAL_PEAK_SLACK at most; it stays only
     when its median measured step is TRIAL_KEEP of the incumbent's or less."""
     import dataclasses
 
@@ -190,9 +191,15 @@ def test_measured_arbitration_opens_a_trial_only_for_waits_on_demand_of_a_share_
     assert not wants_trial({"evicted_get": 1.0}, 0.0)
     budget = PLAN.predicted_peak_bytes
     assert trial_candidate(PLAN, budget)
-    assert trial_candidate(PLAN, int(budget / (1 + TRIAL_PEAK_SLACK)) + 1)
-    assert not trial_candidate(PLAN, int(budget / (1 + TRIAL_PEAK_SLACK) * 0.99))
     assert not trial_candidate(dataclasses.replace(PLAN, unreachable_op="x"), budget)
+    # over the budget: only by less than the running plan's steps evicted on demand, and by TRIAL_PEAK_SLACK at most
+    under = budget - 1000
+    over = PLAN.predicted_peak_bytes - under
+    assert not trial_candidate(PLAN, under)
+    assert not trial_candidate(PLAN, under, evicted_on_demand=over)
+    assert trial_candidate(PLAN, under, evicted_on_demand=over + 1)
+    far = int(budget / (1 + TRIAL_PEAK_SLACK) * 0.99)
+    assert not trial_candidate(PLAN, far, evicted_on_demand=budget)
     assert trial_keeps(1.0, [TRIAL_KEEP, TRIAL_KEEP])
     assert not trial_keeps(1.0, [TRIAL_KEEP + 0.01, TRIAL_KEEP + 0.01])
     assert trial_keeps(1.0, [0.5, 0.9, 5.0])  # the median: one slow step does not decide
