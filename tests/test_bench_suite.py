@@ -4,6 +4,7 @@ The workers run in fresh processes on their own simulated device (cli/common.run
 """
 
 import json
+import pathlib
 
 import pytest
 
@@ -80,6 +81,41 @@ def test_the_tables_say_empty_plans_and_mismatches():
     assert "| cnn | 50 | swap-only | 128 | 2.00x | 136 | failed: CapuchinError: out of memory |" in text
     decorator = [line for line in lines if line.startswith("| cnn | 128 | 1.")]
     assert "(**empty plan**)" in decorator[0] and "empty" not in decorator[1]
+
+
+def test_a_largest_batch_that_does_not_run_again_is_not_reported(tmp_path):
+    """The largest-batch section re-runs the search's largest batch against plain TensorFlow; when that re-run does
+    not complete, the next smaller batch that ran in the search is re-run, and the largest batch reported is the one
+    that ran twice (and was compared bit for bit); the table names the batch that ran only in the search."""
+    import argparse
+    import types
+
+    runs_again = {112: False, 104: True, 96: True}
+    rerun = []
+
+    def run_maxbatch(ns):
+        trials = [{"batch": b, "runs": b <= 112} for b in (16, 32, 64, 128, 96, 112, 120, 104)]
+        pathlib.Path(ns.json).write_text(json.dumps({"max_batch_found": None if ns.policy == "tf" else 112,
+                                                     "first_failing_batch": 120, "trials": trials}))
+
+    def equal_point(plain, policy, budget_mb, device_mb, echo, stop_on_rescue):
+        rerun.append(plain["batch"])
+        ran = runs_again[plain["batch"]]
+        return {"ok": ran, "error": None if ran else "CapuchinError: out of memory", "bitwise_equal": ran}
+
+    bench = types.SimpleNamespace(run_maxbatch=run_maxbatch, equal_point=equal_point,
+                                  plain_run=lambda model, batch, link, steps, device: {"batch": batch,
+                                                                                       "device_mb": device})
+    a = argparse.Namespace(out=str(tmp_path), tier="standard", link="native", fraction=0.5, steps=8, budget_mb=391,
+                           max_batch=4096, resolution=8)
+    the_suite = suite.Suite(a, ["bert-4l"], ["capuchin"], ["maxbatch"])
+    assert suite._maxbatch(the_suite, bench, "bert-4l", ["capuchin"], ["maxbatch"])
+    assert rerun == [112, 104]  # 120 did not run in the search; 96 is not needed
+    row = the_suite.data["maxbatch"][-1]
+    assert (row["max_batch"], row["search_max_batch"], row["bitwise_equal"]) == (104, 112, True)
+    assert [r["batch"] for r in row["rechecks"]] == [112, 104] and not row["rechecks"][0]["ok"]
+    assert "| bert-4l | 391 | capuchin | 104 (112 ran in the search, not in its re-run) |" in suite.markdown(
+        the_suite.data)
 
 
 def test_a_quick_point_bit_for_bit_with_its_prediction(tmp_path, capfd):
