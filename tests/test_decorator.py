@@ -555,6 +555,43 @@ def test_a_plan_predicted_over_the_budget_that_runs_out_of_memory_goes_passive_o
     assert ("restore", {0}) in log
 
 
+def test_guided_attempts_that_fail_with_rescue_off_say_what_the_allocator_saw(monkeypatch):
+    # With passive rescue off (`bench --stop-on-rescue`), a guided step that runs out of memory refuses; the error says
+    # why from the allocator's last refusal, as a measured step's does: here the free memory was split (bert-4l b112
+    # at 391 MiB: a 56 MiB activation refused in the forward, retried with tighter plans to no avail).
+    from types import SimpleNamespace
+
+    from capuchin_tf.frontend import decorator
+    from capuchin_tf.runtime import recovery
+    from capuchin_tf.runtime.signature import SignatureState
+    from capuchin_tf.tf import function_surgery, ops
+
+    step = decorator.wrap_step(lambda x: x, decorator.make_options(100 * MiB, passive_rescue=False))
+    plan = SimpleNamespace(name="over", swapped_bytes=1, recomputed_bytes=0, feasible=False,
+                           predicted_peak_bytes=120 * MiB)
+    state = SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=90 * MiB, step_time=0.0), plan=plan,
+                           plan_budget=100 * MiB, fn="step", guided_def="graph", snapshot=_fake_snapshot([]),
+                           writes=recovery.StateWrites({"w": (0,)}))
+    oom = tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[112,128,1024]")
+
+    def call(fn, *args):
+        raise oom
+
+    stats = {"refusals": 7, "refused_bytes": 56 * MiB, "refused_in_use": 30 * MiB,
+             "refused_largest_free": 30 * MiB, "refused_op": "Gelu/Pow", "refused_store_shared": 0,
+             "refused_store_idle": 0, "bytes_limit": 256 * MiB}
+    monkeypatch.setattr(function_surgery, "call_without_grappler", call)
+    monkeypatch.setattr(recovery, "possibly_written", lambda graph_def, writes, node: {0})
+    monkeypatch.setattr(ops, "allocator_stats", lambda: stats)
+    with pytest.raises(capuchin_tf.CapuchinError, match="rescue is off.*free memory was split: op 'Gelu/Pow' asked "
+                                                        "for 56.0 MiB with 70.0 MiB free, the largest free run "
+                                                        "30.0 MiB.*TensorFlow said"):
+        step._guided(state, ())
+    stats.update(refused_in_use=80 * MiB)  # 80 + 56 > 100: the budget is below what the step needs at once
+    with pytest.raises(capuchin_tf.CapuchinError, match="rescue is off.*in use that the pool could not evict"):
+        step._guided(state, ())
+
+
 # The end of the scripts below: without a budget, plain TensorFlow's steps; then the losses and the variables' digest.
 _RESULT_TAIL = """else:
     losses = [setup.train_step(*setup.inputs) for _ in range({steps})]

@@ -499,27 +499,32 @@ class ManagedStep:
         run or wait to run hold, persistent state, tensors made or read in cond branches or loop bodies, tensors too
         small to pool), which no budget below their sum can run; or, with enough bytes free, that they were split."""
         budget = self.options.budget_bytes or 0
-        stats = ops.allocator_stats()
         if head is None:
             head = (f"capuchin_tf: the measured step ran out of memory twice under a budget of {format_bytes(budget)}; "
                     "the variables are as they were. ")
+        why = self._oom_diagnosis(state, error, refusals_before, evictor="passive mode")
+        return BudgetError(f"{head}{why + ' ' if why else ''}TensorFlow said: {oom_line(error)}")
+
+    def _oom_diagnosis(self, state: SignatureState, error, refusals_before: int, evictor: str) -> str | None:
+        """Why an allocation failed, from the allocator's last refusal after `refusals_before` of them: the budget is
+        below what the step needs at once (what was in use that `evictor` could not evict, and the floor), or the
+        device's free memory was split (its largest free run); None when the allocator recorded no refusal."""
+        budget = self.options.budget_bytes or 0
+        stats = ops.allocator_stats()
         if stats["refusals"] <= refusals_before or stats["refused_bytes"] <= 0:
-            return BudgetError(f"{head}TensorFlow said: {oom_line(error)}")
+            return None
         asked, in_use, largest = stats["refused_bytes"], stats["refused_in_use"], stats["refused_largest_free"]
         op = stats["refused_op"] or recovery.failed_node(error) or "?"
         limit = min(budget, device_limit_bytes() or budget) if budget else (device_limit_bytes() or 0)
         if in_use + asked > limit:
-            return BudgetError(
-                f"{head}It is below what this step needs at once under capuchin_tf: op {op!r} asked for "
-                f"{format_bytes(asked)} while {format_bytes(in_use)} were in use that passive mode could not evict "
-                f"({in_use_breakdown(in_use, state.start_bytes, stats)}): no budget below "
-                f"{format_bytes(in_use + asked)} can run this step (its working-set floor alone is "
-                f"{format_bytes(state.floor_bytes)}, at op {state.floor_op!r}). TensorFlow said: {oom_line(error)}")
-        return BudgetError(
-            f"{head}The device's free memory was split: op {op!r} asked for {format_bytes(asked)} with "
-            f"{format_bytes(limit - in_use)} free, the largest free run {format_bytes(largest)}. A budget below the "
-            "device's size leaves room for that (memory_budget < the device); or try a larger budget. "
-            f"TensorFlow said: {oom_line(error)}")
+            return (f"It is below what this step needs at once under capuchin_tf: op {op!r} asked for "
+                    f"{format_bytes(asked)} while {format_bytes(in_use)} were in use that {evictor} could not evict "
+                    f"({in_use_breakdown(in_use, state.start_bytes, stats)}): no budget below "
+                    f"{format_bytes(in_use + asked)} can run this step (its working-set floor alone is "
+                    f"{format_bytes(state.floor_bytes)}, at op {state.floor_op!r}).")
+        return (f"The device's free memory was split: op {op!r} asked for {format_bytes(asked)} with "
+                f"{format_bytes(limit - in_use)} free, the largest free run {format_bytes(largest)}. A budget below "
+                "the device's size leaves room for that (memory_budget < the device); or try a larger budget.")
 
     def _cache_key(self, state: SignatureState, args) -> CacheKey:
         """Everything a plan depends on: the graph (nodes with their attributes), the call's and the variables'
@@ -938,8 +943,11 @@ class ManagedStep:
             what = ("in a guided step whose written variables were not saved beforehand, after it may have written "
                     "some of them: some of this step's updates may have been applied, and it is not retried")
         budget = format_bytes(self.options.budget_bytes or 0)
-        return CapuchinError(f"capuchin_tf: out of memory under a budget of {budget} {what}. TensorFlow said: "
-                             f"{oom_line(error)}")
+        # Guided attempts that ran out of memory with rescue off: what the allocator saw at the last one (the pool,
+        # the guided steps' safety net, evicts on demand as passive mode does).
+        why = self._oom_diagnosis(state, error, -1, evictor="the pool") if rescue_off else None
+        return CapuchinError(f"capuchin_tf: out of memory under a budget of {budget} {what}. "
+                             f"{why + ' ' if why else ''}TensorFlow said: {oom_line(error)}")
 
     def _tighten(self, state: SignatureState, reason: str) -> bool:
         """Re-plans for a tighter budget after an out-of-memory error or a peak over the budget (the choice:
