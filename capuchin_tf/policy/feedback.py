@@ -121,13 +121,13 @@ def tighter_plan(plan_for: Callable[[int], Plan], current_budget: int,
 # arbitration"). So when a settled guided step waits for copies on demand for at least TRIAL_FRACTION of its time, the
 # plans of the policy's `trials` (policy.Policy) are tried, each for TRIAL_STEPS measured steps (after the first,
 # which instantiates the new step), and kept only when measured faster than the plan that ran. A trial is expected to
-# take the incumbent's measured step, less what it waited on demand, times the two plans' predicted steps' ratio
-# (trial_expected_s); one not expected to be kept is not tried (trial_may_win), and of those that may win the one
-# expected fastest is. The trial LEARNED_MARGIN is the policy's own plan made again with what the running plan's steps
-# were measured to need beyond its predicted placement (placement_error; the policy's `placement_error_bytes`,
-# hybrid.plan_capuchin): the plan's model learns from the measured step (docs/decisions.md, "A placement error,
-# assumed then learned"). It may start from the first guided step of a plan (the bytes it evicted on demand are the
-# evidence; its time, an instantiation, is not compared until a later step has run).
+# take the incumbent's measured step times the ratio of the two plans' predicted steps with their placements' copies
+# on demand (trial_expected_s); one not expected to be kept is not tried (trial_may_win), and of those that may win
+# the one expected fastest is. The trial LEARNED_MARGIN is the policy's own plan made again with what the running
+# plan's steps were measured to need beyond its predicted placement (placement_error; the policy's
+# `placement_error_bytes`, hybrid.plan_capuchin): the plan's model learns from the measured step (docs/decisions.md,
+# "A placement error, assumed then learned"). It may start from the first guided step of a plan (the bytes it
+# evicted on demand are the evidence; its time, an instantiation, is not compared until a later step has run).
 ON_DEMAND_KINDS = ("passive_eviction", "evicted_get", "copy_wait", "device_move")  # core/stalls.py, lower case
 TRIAL_FRACTION = 0.05
 # A trial predicted over the budget is tried only on evidence that the device holds the running plan with more: it
@@ -165,16 +165,17 @@ def trial_candidate(plan: Plan, budget: int, evicted_on_demand: int = 0) -> bool
     return over <= 0 or (over < int(evicted_on_demand) and over <= TRIAL_PEAK_SLACK * budget)
 
 
-def trial_expected_s(trial_predicted_s: float, incumbent_predicted_s: float, incumbent_s: float,
-                     incumbent_waited_s: float) -> float:
+def trial_expected_s(trial_cost_s: float, incumbent_cost_s: float, incumbent_s: float) -> float:
     """A trial plan's step as the incumbent's measured one predicts it: the incumbent's measured step `incumbent_s`
-    less what it waited for copies on demand (`incumbent_waited_s`: the simulator has none, and the trial plan is
-    expected to wait for none), times the trial's predicted step over the incumbent's (both on one trace and device
-    model). A ratio of two predictions, so that the simulator's error common to both (the trace's clock against the
-    guided steps', kernel times, per-step work) cancels (docs/decisions.md, "A trial must be expected to be kept")."""
-    if incumbent_predicted_s <= 0:
-        return trial_predicted_s
-    return max(0.0, incumbent_s - incumbent_waited_s) * trial_predicted_s / incumbent_predicted_s
+    times the trial's predicted cost over the incumbent's, both on one trace and device model and both placed
+    (hybrid.placed_step_s: the simulated step plus a copy out and back of what the plan's placed peak needs beyond
+    the device less the placement error, the one its steps were measured to have, at least the prior; the copies on
+    demand the simulator does not have). A ratio of two predictions, so that the simulator's error common to both
+    (the trace's clock against the guided steps', kernel times, per-step work) cancels (docs/decisions.md, "A trial
+    must be expected to be kept", "A trial's expectation counts its placement")."""
+    if incumbent_cost_s <= 0:
+        return trial_cost_s
+    return incumbent_s * trial_cost_s / incumbent_cost_s
 
 
 def trial_may_win(expected_s: float, incumbent_s: float) -> bool:

@@ -122,8 +122,14 @@ def placed_cost(plan: Plan, budget_bytes: int) -> float:
     """The step `plan` is predicted to take on a device of `budget_bytes`: its simulated step, plus a copy out and
     back of what its placed peak (Plan.predicted_placed_peak_bytes) needs beyond the device, which a guided step
     evicts on demand."""
-    excess = max(0, plan.predicted_placed_peak_bytes - budget_bytes)
-    return plan.predicted_step_s + plan.device.swap_out_time(excess) + plan.device.swap_in_time(excess)
+    return placed_step_s(plan.predicted_step_s, plan.predicted_placed_peak_bytes, budget_bytes, plan.device)
+
+
+def placed_step_s(step_s: float, placed_peak_bytes: int, device_bytes: int, device: DeviceModel) -> float:
+    """`placed_cost` of a plan whose step was simulated as `step_s` on `device` (the runtime's measured arbitration
+    simulates the running plan again on the trial's trace and device model)."""
+    excess = max(0, int(placed_peak_bytes) - int(device_bytes))
+    return step_s + device.swap_out_time(excess) + device.swap_in_time(excess)
 
 
 def plan_swap_only(trace: AccessTrace, budget_bytes: int, device_model: DeviceModel, **options) -> Plan:

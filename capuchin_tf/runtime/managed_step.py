@@ -73,7 +73,7 @@ from capuchin_tf.core.device_model import DeviceModel, link_is_emulated, link_ne
 from capuchin_tf.core.graph_model import fold_views, shape_of, split_tensor_id, working_set_floor
 from capuchin_tf.core.plan import Plan
 from capuchin_tf.core.stalls import summarize as summarize_stalls
-from capuchin_tf.policy import POLICIES, make_plan
+from capuchin_tf.policy import POLICIES, make_plan, placement
 from capuchin_tf.policy.feedback import (
     LEARNED_MARGIN,
     TIGHTEN,
@@ -89,6 +89,7 @@ from capuchin_tf.policy.feedback import (
     trial_may_win,
     wants_trial,
 )
+from capuchin_tf.policy.hybrid import placed_step_s
 from capuchin_tf.policy.plan_cache import CacheKey, PlanCache
 from capuchin_tf.policy.simulator import lower_bound_s, simulate
 from capuchin_tf.runtime import heap, recovery
@@ -1066,6 +1067,11 @@ class ManagedStep:
                 running_s = simulate(state.trace, running, device_model).step_time
             except Exception:  # noqa: BLE001  (its own prediction, on the trace it was made on)
                 running_s = running.predicted_step_s
+            # Each plan costed with the copies its placement needs beyond the device less the placement error (the
+            # one the running plan's steps were measured to have, at least the prior), as plan_capuchin costs them.
+            error = max(placement.reserve(t.nbytes for t in state.trace.tensors.values()), state.placement_error)
+            running_cost = placed_step_s(running_s, running.predicted_placed_peak_bytes, plan_budget - error,
+                                         device_model)
             may_win = []
             for name, learned in candidates:
                 # The margin is this policy's own plan, made as its other plans are; other trials are their policies
@@ -1088,12 +1094,14 @@ class ManagedStep:
                                    f"not tried: placed at {plan.predicted_placed_peak_bytes} bytes, not below the "
                                    f"running plan's {running.predicted_placed_peak_bytes}")
                     continue
-                expected = trial_expected_s(plan.predicted_step_s, running_s, incumbent_s, incumbent_waited_s)
+                cost = placed_step_s(plan.predicted_step_s, plan.predicted_placed_peak_bytes, plan_budget - error,
+                                     device_model)
+                expected = trial_expected_s(cost, running_cost, incumbent_s)
                 if not trial_may_win(expected, incumbent_s):
                     tried[name] = (f"not tried: expected {expected:.3f} s a step (predicted "
-                                   f"{plan.predicted_step_s / running_s:.3f}x the running plan's step, which was "
-                                   f"measured {incumbent_s:.3f} s with {incumbent_waited_s:.3f} s of waits on "
-                                   f"demand)")
+                                   f"{cost / running_cost:.3f}x the running plan's step with their placements' "
+                                   f"copies on demand; the running plan's was measured {incumbent_s:.3f} s with "
+                                   f"{incumbent_waited_s:.3f} s of waits on demand)")
                     continue
                 may_win.append((expected, len(may_win), name, plan))
             for expected, _, name, plan in sorted(may_win):
