@@ -557,8 +557,8 @@ def test_a_plan_predicted_over_the_budget_that_runs_out_of_memory_goes_passive_o
 
 def test_guided_attempts_that_fail_with_rescue_off_say_what_the_allocator_saw(monkeypatch):
     # With passive rescue off (`bench --stop-on-rescue`), a guided step that runs out of memory refuses; the error says
-    # why from the allocator's last refusal, as a measured step's does: here the free memory was split (bert-4l b112
-    # at 391 MiB: a 56 MiB activation refused in the forward, retried with tighter plans to no avail).
+    # why from the allocator's last refusal, as a measured step's does: here the free memory was split (shaped after
+    # bert-4l b112 at 391 MiB: a 56 MiB activation refused in the forward, retried with tighter plans to no avail).
     from types import SimpleNamespace
 
     from capuchin_tf.frontend import decorator
