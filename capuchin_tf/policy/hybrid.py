@@ -76,8 +76,7 @@ def plan_capuchin(
         trace, budget_bytes, device_model, policy="capuchin", swap=True, recompute=True, _report=report, index=index,
         **options,
     )
-    prior = placement.reserve(t.nbytes for t in trace.tensors.values())
-    placement_error_bytes = max(prior, int(placement_error_bytes or 0))
+    placement_error_bytes = assumed_placement_error(trace, placement_error_bytes)
     learned = {"placement_error": placement_error_bytes} if placement_error_bytes > 0 else {}
     if not fallback or plan.unreachable_op is not None or report.get("hopeless"):
         # (hopeless: even evicting every candidate could not bring that op under the budget)
@@ -116,6 +115,12 @@ def plan_capuchin(
         options=tuple(sorted(dict(best.options, fallback=name, **learned).items())),
         planning_s=time.perf_counter() - started,
     )
+
+
+def assumed_placement_error(trace: AccessTrace, learned_bytes: int | None = 0) -> int:
+    """How much more device than their placed peak plans are taken to need: the error learned from guided steps
+    (feedback.placement_error), at least the prior (placement.reserve, the step's largest buffer)."""
+    return max(placement.reserve(t.nbytes for t in trace.tensors.values()), int(learned_bytes or 0))
 
 
 def placed_cost(plan: Plan, budget_bytes: int) -> float:

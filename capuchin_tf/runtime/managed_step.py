@@ -73,7 +73,7 @@ from capuchin_tf.core.device_model import DeviceModel, link_is_emulated, link_ne
 from capuchin_tf.core.graph_model import fold_views, shape_of, split_tensor_id, working_set_floor
 from capuchin_tf.core.plan import Plan
 from capuchin_tf.core.stalls import summarize as summarize_stalls
-from capuchin_tf.policy import POLICIES, make_plan, placement
+from capuchin_tf.policy import POLICIES, make_plan
 from capuchin_tf.policy.feedback import (
     LEARNED_MARGIN,
     TIGHTEN,
@@ -89,7 +89,7 @@ from capuchin_tf.policy.feedback import (
     trial_may_win,
     wants_trial,
 )
-from capuchin_tf.policy.hybrid import placed_step_s
+from capuchin_tf.policy.hybrid import assumed_placement_error, placed_step_s
 from capuchin_tf.policy.plan_cache import CacheKey, PlanCache
 from capuchin_tf.policy.simulator import lower_bound_s, simulate
 from capuchin_tf.runtime import heap, recovery
@@ -1069,7 +1069,7 @@ class ManagedStep:
                 running_s = running.predicted_step_s
             # Each plan costed with the copies its placement needs beyond the device less the placement error (the
             # one the running plan's steps were measured to have, at least the prior), as plan_capuchin costs them.
-            error = max(placement.reserve(t.nbytes for t in state.trace.tensors.values()), state.placement_error)
+            error = assumed_placement_error(state.trace, state.placement_error)
             running_cost = placed_step_s(running_s, running.predicted_placed_peak_bytes, plan_budget - error,
                                          device_model)
             may_win = []
