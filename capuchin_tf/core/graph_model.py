@@ -159,6 +159,21 @@ class GraphModel:
                 if c not in self.ops:
                     raise GraphModelError(f"tensor {t.id!r} is consumed by unknown op {c!r}")
 
+    def with_control_inputs(self, added: Mapping[str, Iterable[str]]) -> GraphModel:
+        """The model with control inputs appended: `added` maps an op to the ops it now also waits for, in the
+        order of its graph's new `^` inputs (a graph edit that adds control edges only)."""
+        ops = dict(self.ops)
+        for name, gates in added.items():
+            gates = tuple(gates)
+            if gates:
+                ops[name] = dataclasses.replace(ops[name], control_inputs=ops[name].control_inputs + gates)
+        model = GraphModel(ops=ops, tensors=self.tensors)
+        for name in added:
+            for c in ops[name].control_inputs:
+                if c not in ops:
+                    raise GraphModelError(f"op {name!r} has unknown control input {c!r}")
+        return model
+
     def producer(self, tid: str) -> OpInfo:
         return self.ops[self.tensors[tid].op]
 

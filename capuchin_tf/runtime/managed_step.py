@@ -346,7 +346,8 @@ class ManagedStep:
             state.shaped = rewrite.shapes_graph(concrete, state.optimized, args)
         except rewrite.RewriteError as e:
             raise Refusal(f"its optimized graph could not be imported ({e})") from e
-        floor = working_set_floor(fold_views(capture.graph_model(state.optimized, state.shaped)))
+        state.optimized_model = capture.graph_model(state.optimized, state.shaped)
+        floor = working_set_floor(fold_views(state.optimized_model))
         persistent = tf.config.experimental.get_memory_info(DEVICE)["current"]
         state.floor_bytes, state.floor_op = persistent + floor.bytes, floor.op
         if self.options.budget_bytes is not None and state.floor_bytes > self.options.budget_bytes:
@@ -434,7 +435,8 @@ class ManagedStep:
         try:
             meta = self._meta(state.concrete)
             if state.passive_def is None:
-                state.passive_def = rewrite.passive_graph(state.concrete, args, state.optimized, state.shaped)
+                state.passive_def = rewrite.passive_graph(state.concrete, args, state.optimized, state.shaped,
+                                                         state.optimized_model)
         except (rewrite.RewriteError, capture.CaptureError, ValueError, KeyError) as e:
             self._refuse(state, f"its measured step could not be built ({type(e).__name__}: {e})")
             return self._plain(state, args)
@@ -629,12 +631,11 @@ class ManagedStep:
         if missing:
             raise rewrite.RewriteError(f"planned tensors not in the optimized graph: {missing[:3]}")
         # Even a plan with no decisions is applied: the measured order it pins is the one that fitted.
-        graph_def = rewrite.apply_plan(state.optimized, plan, state.trace, dtypes, shapes)
         # Beyond the plan, every tensor that still waits across other work goes to the pool, as in the measured
         # step: what the plan did not foresee (BFC fragmentation, a copy's timing) is evicted on demand instead
         # of failing the step. Capuchin's passive mode: the baselines run their plans alone.
-        if self.safety_net:
-            graph_def = rewrite.pooled(graph_def, state.shaped)
+        graph_def = rewrite.guided_graph(state.optimized, plan, state.trace, dtypes, shapes,
+                                         state.shaped if self.safety_net else None)
         fn = function_surgery.rebuild(state.concrete, graph_def, name="capuchin_guided_step")
         function_surgery.preinstantiate(fn, specs)
         return fn, graph_def
@@ -877,7 +878,8 @@ class ManagedStep:
         restored before anything else (where it fails depends on BFC fragmentation, which varies from run to run)."""
         if state.passive_fn is None:
             if state.passive_def is None:
-                state.passive_def = rewrite.passive_graph(state.concrete, args, state.optimized, state.shaped)
+                state.passive_def = rewrite.passive_graph(state.concrete, args, state.optimized, state.shaped,
+                                                         state.optimized_model)
             state.passive_fn = rewrite.passive_step(state.concrete, args, state.passive_def)
         state.snapshot.take()
         tf.config.experimental.reset_memory_stats(DEVICE)

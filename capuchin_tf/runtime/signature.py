@@ -54,6 +54,7 @@ class SignatureState:
     guided_def: Any = None  # the GraphDef `fn` runs
     optimized: Any = None  # the optimized GraphDef the plan is applied to
     shaped: Any = None  # the optimized graph imported with the call's shapes (static shapes of every tensor)
+    optimized_model: Any = None  # capture.graph_model of `optimized` (made once: the floor, the passive graph)
     tensor_info: dict = dataclasses.field(default_factory=dict)  # tensor id -> (dtype name, shape)
     arg_specs: tuple | None = None  # the last call's arguments, (dtype, device) each (function_surgery.arg_specs)
     writes: recovery.StateWrites | None = None  # what the step writes

@@ -271,10 +271,12 @@ def static_tensor(func_graph, node, slot: int) -> StaticTensor | None:
 
 
 def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
-                optimizer_scopes: tuple[str, ...] = ("sgd/", "adam/", "adamw/", "rmsprop/", "optimizer/")
-                ) -> GraphModel:
+                optimizer_scopes: tuple[str, ...] = ("sgd/", "adam/", "adamw/", "rmsprop/", "optimizer/"),
+                always_runs: Callable[[str], bool] | None = None) -> GraphModel:
     """The GraphModel of a post-optimization GraphDef, edited or not. `func_graph` (the optimized graph imported,
-    `function_surgery.rebuild(...).graph`) supplies static shapes (`static_tensor`)."""
+    `function_surgery.rebuild(...).graph`) supplies static shapes (`static_tensor`). `always_runs`: which nodes
+    always run, if already known (control_flow.of_graph_def(graph_def).always_runs, or the GraphEditor's that made
+    the graph)."""
     nodes = list(graph_def.node)
     consumers: dict[str, list[str]] = {}
     for node in nodes:
@@ -283,7 +285,8 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
                 consumers.setdefault(_normalize_input(inp), []).append(node.name)
 
     # Lowered conds and loops: which ops always run (control_flow.py).
-    flow = control_flow.of_graph_def(graph_def)
+    if always_runs is None:
+        always_runs = control_flow.of_graph_def(graph_def).always_runs
     by_name = {n.name: n for n in nodes}
 
     def _input_dtype(ref: str) -> str:
@@ -323,12 +326,12 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
                 persistent=node.op in PERSISTENT_PRODUCERS,
             ))
             outputs.append(tid)
-        always_runs = flow.always_runs(node.name)
+        runs = always_runs(node.name)
         # Replayable: running it again on the same inputs gives the same bits. Not a stateful op (variables, random
         # ops with a hidden state), nor lowered or functional control flow, nor an op that may not run, nor one that
         # reads a resource or a variant (what a handle or a list refers to can change between the run and the replay).
         replayable = (not stateful and node.op not in FUNCTIONAL_OPS and node.op not in control_flow.CONTROL_FLOW_OPS
-                      and always_runs and node.op not in ("_Arg", "_Retval")
+                      and runs and node.op not in ("_Arg", "_Retval")
                       and not any(_input_dtype(i) in ("resource", "variant") for i in node.input
                                   if not i.startswith("^")))
         ops.append(OpInfo(
@@ -336,7 +339,7 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
             inputs=tuple(_normalize_input(i) for i in node.input if not i.startswith("^")),
             control_inputs=tuple(i[1:] for i in node.input if i.startswith("^")),
             outputs=tuple(outputs), role=_role(node.name, node.op, optimizer_scopes),
-            stateful=stateful, replayable=replayable, always_runs=always_runs,
+            stateful=stateful, replayable=replayable, always_runs=runs,
         ))
     # Inputs naming tensors of nodes that are not in this graph (should not happen in a post-optimization graph)
     # would make the model inconsistent: drop them with the check.

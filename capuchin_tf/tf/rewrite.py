@@ -59,10 +59,11 @@ class GraphEditor:
     `order`: a topological order to start from (the pinned order, so that its edges cost nothing); else graph order.
     """
 
-    def __init__(self, graph_def: graph_pb2.GraphDef, order: Sequence[str] | None = None):
+    def __init__(self, graph_def: graph_pb2.GraphDef, order: Sequence[str] | None = None,
+                 flow: control_flow.ControlFlow | None = None):
         self.graph = copy.deepcopy(graph_def)
         self.nodes: dict[str, node_def_pb2.NodeDef] = {n.name: n for n in self.graph.node}
-        flow = control_flow.of_graph_def(self.graph)
+        flow = flow if flow is not None else control_flow.of_graph_def(self.graph)  # `flow`: if already analyzed
         self._always = {name: flow.always_runs(name) for name in self.nodes}
         # Reachability is kept between units: a node of the root frame is its own unit, a loop (with its nested
         # loops, Enters and Exits) is one unit. Within a loop every op can depend on every other through the next
@@ -81,12 +82,15 @@ class GraphEditor:
             priority.setdefault(self._unit.get(name, name), float(i))
         self.order = control_flow.IncrementalOrder(dict.fromkeys(self._unit.values()), edges, priority)
         self.refused: dict[str, int] = {"may not run": 0, "cycle": 0}
+        self.added_controls: dict[str, list[str]] = {}  # node -> the gates add_control gave it, in order
 
     def reaches(self, a: str, b: str) -> bool:
         """Whether node `b` depends on node `a` (through any path, loops included)."""
         return self.order.reaches(self._unit[a], self._unit[b])
 
     def always_runs(self, name: str) -> bool:
+        """Whether the node always runs (control_flow.py): edits keep what the analysis of the given graph said, as
+        control edges join only ops that always run, and an inserted node runs when its inputs do."""
         return self._always.get(name, False)
 
     def add_node(self, name: str, op: str, inputs: Sequence[str], device: str,
@@ -145,6 +149,7 @@ class GraphEditor:
             self.refused["cycle"] += 1
             return False
         target.input.append(f"^{gate}")
+        self.added_controls.setdefault(node, []).append(gate)
         return True
 
 
@@ -164,6 +169,13 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence],
     Inserted nodes: `capuchin/hold/<tensor>`, `capuchin/get/<tensor>/<k>`, on the producer's device.
     """
     ed = GraphEditor(graph_def, order=order)
+    _hold_get(ed, plan, dtypes, shapes)
+    return ed.graph
+
+
+def _hold_get(ed: GraphEditor, plan: Mapping[str, Sequence], dtypes: Mapping[str, str],
+              shapes: Mapping[str, tuple | None]) -> None:
+    """`insert_hold_get` on the graph `ed` edits."""
     for tid, reads in plan.items():
         op, slot = split_tensor_id(tid)
         base = f"capuchin/hold/{safe_name(tid)}"
@@ -180,7 +192,6 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence],
             _rewire(ed, ed.nodes[read.reader], tid, get.name, get.name)
             for g in read.gates:
                 ed.add_control(get.name, g)
-    return ed.graph
 
 
 def _mirror(ed: GraphEditor, tid: str) -> str:
@@ -207,10 +218,14 @@ def add_gates(graph_def: graph_pb2.GraphDef, gates: Mapping[str, Sequence[str]],
                        ^ (ctrl: G)
     """
     ed = GraphEditor(graph_def, order=order)
+    _gates(ed, gates)
+    return ed.graph
+
+
+def _gates(ed: GraphEditor, gates: Mapping[str, Sequence[str]]) -> None:
     for name, gs in gates.items():
         for gate in gs:
             ed.add_control(name, gate)
-    return ed.graph
 
 
 # dtypes whose values Capuchin>AssignInPlace copies byte for byte (those the host store copies), as DataType enums.
@@ -320,7 +335,22 @@ def _rewire(ed: GraphEditor, node: node_def_pb2.NodeDef, tid: str, new_ref: str,
 
 def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, str],
                shapes: Mapping[str, tuple | None]) -> graph_pb2.GraphDef:
-    r"""The optimized graph of the measured step with `plan`'s swaps and recomputations inserted.
+    r"""The optimized graph of the measured step with `plan`'s swaps and recomputations inserted (`plan_editor`'s
+    graph)."""
+    return plan_editor(graph_def, plan, trace, dtypes, shapes).graph
+
+
+def guided_graph(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, str],
+                 shapes: Mapping[str, tuple | None], shaped=None) -> graph_pb2.GraphDef:
+    """`apply_plan`, and with `shaped` (rewrite.shapes_graph) then `pooled` on the same editor: every tensor that
+    still waits across other work handed to the pool."""
+    ed = plan_editor(graph_def, plan, trace, dtypes, shapes)
+    return ed.graph if shaped is None else pooled(ed.graph, shaped, editor=ed)
+
+
+def plan_editor(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, str],
+                shapes: Mapping[str, tuple | None]) -> GraphEditor:
+    r"""The GraphEditor of the optimized graph of the measured step with `plan`'s swaps and recomputations inserted.
 
     `trace` is the AccessTrace the plan was made from (its op names are the graph's node names): it tells which
     readers come after a decision's evicted-access, and which op ran just before a back-access. `dtypes`/`shapes`:
@@ -451,8 +481,8 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str, 
                 _rewire(ed, nodes[r], target, new_ref, f"{RECOMPUTE_PREFIX}{key}/{safe_name(target)}")
     if skipped:
         warnings.warn(f"capuchin_tf: {len(skipped)} planned swap(s) cannot follow the enforced order and were left "
-                      f"out: {skipped[:3]}", RuntimeWarning, stacklevel=2)
-    return ed.graph
+                      f"out: {skipped[:3]}", RuntimeWarning, stacklevel=3)
+    return ed
 
 
 # ---- passive mode's tensor pool ----------------------------------------------------------------------------------
@@ -470,15 +500,16 @@ def shapes_graph(concrete, optimized, args):
     return shaped
 
 
-def passive_graph(concrete, args, optimized=None, shaped=None):
+def passive_graph(concrete, args, optimized=None, shaped=None, model=None):
     """The GraphDef of the step with passive mode's tensor pool: its optimized graph (obtained without running it,
     unless given) with every tensor that waits while memory is allocated handed to the pool (see `pooled`).
-    `shaped`: `shapes_graph` of the optimized graph, if already made."""
+    `shaped`: `shapes_graph` of the optimized graph, if already made; `model`: its capture.graph_model, if made."""
     if optimized is None:
         optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
+        model = None
     if shaped is None:
         shaped = shapes_graph(concrete, optimized, args)
-    return pooled(optimized, shaped, min_bytes=MEASURED_MIN_POOLED_BYTES, defer=True)
+    return pooled(optimized, shaped, min_bytes=MEASURED_MIN_POOLED_BYTES, defer=True, model=model)
 
 
 def passive_step(concrete, args, graph_def=None):
@@ -490,16 +521,31 @@ def passive_step(concrete, args, graph_def=None):
     return function_surgery.rebuild(concrete, graph_def, name="capuchin_passive_step")
 
 
-def pooled(graph_def, shaped, min_bytes: int = GUIDED_MIN_POOLED_BYTES, defer: bool = False):
+def pooled(graph_def, shaped, min_bytes: int = GUIDED_MIN_POOLED_BYTES, defer: bool = False, model=None,
+           editor: GraphEditor | None = None):
     """`graph_def` (the step's optimized graph, rewritten or not) with every tensor that waits while memory is
     allocated handed to the pool (pool_plan.hold_plan, rewrite.insert_hold_get): under passive mode the allocator can
     evict any of them on demand. With `defer`, gradient ops ready long before they are needed first wait for the op
     before their first reader (schedule.deferral_gates): the measured step's order, which guided steps follow.
-    `shaped`: `shapes_graph` of the optimized graph (static shapes, those of inserted nodes through their mirrors)."""
+    `shaped`: `shapes_graph` of the optimized graph (static shapes, those of inserted nodes through their mirrors).
+    `model`: capture.graph_model of `graph_def`, if already made; `editor`: the GraphEditor that made `graph_def`
+    (`graph_def` is then its graph), whose edits and control flow go on here (one copy of the graph, one analysis)."""
+    if editor is not None:
+        ed = editor
+        if model is None:
+            model = capture.graph_model(ed.graph, shaped, always_runs=ed.always_runs)
+    else:
+        flow = control_flow.of_graph_def(graph_def)
+        if model is None:
+            model = capture.graph_model(graph_def, shaped, always_runs=flow.always_runs)
+        ed = GraphEditor(graph_def, order=schedule_order(model), flow=flow)
     if defer:
-        model = capture.graph_model(graph_def, shaped)
-        graph_def = add_gates(graph_def, deferral_gates(model), order=schedule_order(model))
-    graph = fold_views(capture.graph_model(graph_def, shaped))  # a far read through a Reshape is a far read
+        before = {node: list(gates) for node, gates in ed.added_controls.items()}
+        _gates(ed, deferral_gates(model))
+        # Gates are control edges only: the gated graph's model is this one with them (GraphEditor.add_control).
+        model = model.with_control_inputs({node: gates[len(before.get(node, ())):]
+                                           for node, gates in ed.added_controls.items()})
+    graph = fold_views(model)  # a far read through a Reshape is a far read
     order = schedule_order(graph)
     # Tensors a plan swaps are the plan's: their swap-out must read them directly (through a Get it would run when
     # the Get's gate says, and the pool would keep the tensor on the device until then).
@@ -510,10 +556,10 @@ def pooled(graph_def, shaped, min_bytes: int = GUIDED_MIN_POOLED_BYTES, defer: b
             if not any(graph.ops[c].type == "Capuchin>SwapOut" for c in graph.tensors[tid].consumers)
             and not tid.startswith(RECOMPUTE_PREFIX)}
     dtypes, shapes = {}, {}
-    nodes = {n.name: n for n in graph_def.node}
     for tid in plan:
         op, slot = split_tensor_id(tid)
-        t = capture.static_tensor(shaped, nodes[op], slot)
+        t = capture.static_tensor(shaped, ed.nodes[op], slot)
         dtypes[tid] = t.dtype.name
         shapes[tid] = shape_of(None if t.shape.rank is None else t.shape.as_list())
-    return insert_hold_get(graph_def, plan, dtypes, shapes, order=order)
+    _hold_get(ed, plan, dtypes, shapes)
+    return ed.graph
