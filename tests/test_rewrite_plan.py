@@ -56,7 +56,7 @@ def test_guided_steps_follow_the_plan_and_give_plain_tensorflows_bits(plain, pol
     assert sum(n.startswith("capuchin/swap_in/") for n in names) == len(plan.swaps)
     assert (sum(n.startswith("capuchin/recompute/") for n in names)
             == sum(len(d.replay_ops) for d in plan.recomputes))
-    guided = function_surgery.rebuild(concrete, rewritten)
+    guided = function_surgery.runnable(concrete, rewritten)
 
     losses = [float.hex(float(loss))]
     before = ops.host_store_stats()
@@ -128,7 +128,7 @@ def test_assignments_in_place_keep_what_the_planner_knows_of_them():
     assert schedule.is_variable_writer("Capuchin>AssignInPlace")
     model = capture.graph_model(edited)
     assert model.ops[name].role.name == "OPTIMIZER"
-    fn = function_surgery.rebuild(concrete, edited)
+    fn = function_surgery.runnable(concrete, edited)
     assert float(function_surgery.call_without_grappler(fn, x)) == 6.0 and w.numpy().tolist() == [2.0, 2.0, 2.0]
     assert s.numpy() == b"b"
 
@@ -151,6 +151,36 @@ def test_a_rebuilt_step_places_every_op_as_the_importers_own_device_scopes_do(mo
     fast_ops, slow_ops = placed(fast), placed(slow)
     assert fast_ops == slow_ops
     assert sum(bool(device) for device, _ in fast_ops.values()) > len(fast_ops) // 2  # devices are there to compare
+
+
+def test_a_runnable_step_runs_its_graph_def_as_given_on_the_same_variables():
+    """function_surgery.runnable: the executor runs the GraphDef's own nodes (names, inputs, devices; its arguments
+    keep their names), the step's structured outputs come back, and a call under a tape that watches its inputs is
+    refused before anything runs."""
+    w = tf.Variable(tf.ones([3]))
+
+    @tf.function
+    def step(x):
+        w.assign_add(x)
+        return {"sum": tf.reduce_sum(w * x), "x": x}
+
+    x = tf.constant([1.0, 2.0, 3.0])
+    concrete = step.get_concrete_function(x)
+    optimized = capture.optimized_graph(concrete, (x,))
+    fn = function_surgery.runnable(concrete, optimized)
+    out, executed = capture.run_with_post_optimization_graph(
+        lambda: function_surgery.call_without_grappler(fn, x), fn.node_names)
+    assert set(out) == {"sum", "x"} and float(out["sum"]) == 2 * 1 + 3 * 2 + 4 * 3
+    assert w.numpy().tolist() == [2.0, 3.0, 4.0]
+    given = {n.name: (n.op, tuple(n.input), n.device) for n in optimized.node}
+    ran = {n.name: (n.op, tuple(n.input), n.device) for n in executed.node}
+    assert {name: given[name] for name in ran if name in given} == {name: ran[name] for name in ran if name in given}
+    assert {n.name for n in optimized.node if n.op == "_Arg"} <= set(ran)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        with pytest.raises(function_surgery.RewriteError, match="gradient tape"):
+            fn(x)
+    assert w.numpy().tolist() == [2.0, 3.0, 4.0]
 
 
 PREINSTANTIATE = """
@@ -178,7 +208,7 @@ def make():
 x = tf.ones([n])
 v, runs, step = make()
 concrete = step.get_concrete_function(x)
-fn = function_surgery.rebuild(concrete, capture.optimized_graph(concrete, (x,)))
+fn = function_surgery.runnable(concrete, capture.optimized_graph(concrete, (x,)))
 done = function_surgery.preinstantiate(fn, function_surgery.arg_specs((x,)))
 untouched = bool(np.all(v.numpy() == 0)) and int(runs.numpy()) == 0
 rebuilt = [float.hex(float(function_surgery.call_without_grappler(fn, x))) for _ in range(2)]

@@ -459,7 +459,8 @@ class ManagedStep:
             try:
                 with self._budget():
                     outputs, trace = measure.measure_step(self._fn, args, budget_bytes=self.options.budget_bytes,
-                                                          meta=meta, graph_def=state.passive_def)
+                                                          meta=meta, graph_def=state.passive_def,
+                                                          shaped=state.shaped)
                 break
             except tf.errors.ResourceExhaustedError as e:
                 state.snapshot.restore(recovery.possibly_written(state.passive_def, state.writes,
@@ -636,7 +637,7 @@ class ManagedStep:
         # of failing the step. Capuchin's passive mode: the baselines run their plans alone.
         graph_def = rewrite.guided_graph(state.optimized, plan, state.trace, dtypes, shapes,
                                          state.shaped if self.safety_net else None)
-        fn = function_surgery.rebuild(state.concrete, graph_def, name="capuchin_guided_step")
+        fn = function_surgery.runnable(state.concrete, graph_def, name="capuchin_guided_step")
         function_surgery.preinstantiate(fn, specs)
         return fn, graph_def
 

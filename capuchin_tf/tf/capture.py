@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import itertools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, op_def_pb2, types_pb2
@@ -89,7 +89,7 @@ def optimized_graph(concrete, args) -> graph_pb2.GraphDef:
     nonce = next(_NONCES)
     with call_config(lambda config: setattr(config.graph_options, "timeline_step", nonce)):
         metadata = _instantiate(ctx, manager, concrete, args, flush)
-    graph = _pick_graph(metadata, concrete.graph)
+    graph = _pick_graph(metadata, {op.name for op in concrete.graph.get_operations()})
     names = [n.name for n in graph.node]
     if len(set(names)) != len(names):
         raise CaptureError("the optimized graph TensorFlow returned has duplicate node names")
@@ -129,11 +129,11 @@ def _instantiate(ctx, manager, concrete, args, flush):
         ctx.disable_run_metadata()
 
 
-def run_with_post_optimization_graph(call, func_graph):
+def run_with_post_optimization_graph(call, names: Collection[str]):
     """Runs `call()` once with run metadata on; returns (its result, the post-optimization GraphDef it executed).
 
-    `func_graph` is the graph of the function `call` runs: run metadata can also carry graphs of other functions
-    (a function run earlier in the process, for one), so the one sharing most node names with it is taken.
+    `names`: the node names of the graph of the function `call` runs: run metadata can also carry graphs of other
+    functions (a function run earlier in the process, for one), so the one sharing most node names with it is taken.
     """
     ctx = context.context()
     ctx.enable_run_metadata()
@@ -143,14 +143,13 @@ def run_with_post_optimization_graph(call, func_graph):
         metadata = ctx.export_run_metadata()
     finally:
         ctx.disable_run_metadata()
-    return result, _pick_graph(metadata, func_graph)
+    return result, _pick_graph(metadata, names)
 
 
-def _pick_graph(metadata, func_graph) -> graph_pb2.GraphDef:
+def _pick_graph(metadata, names: Collection[str]) -> graph_pb2.GraphDef:
     graphs = [fg.post_optimization_graph for fg in metadata.function_graphs]
     if not graphs:
         raise CaptureError("TensorFlow returned no function graph for the step (was it a tf.function call?)")
-    names = {op.name for op in func_graph.get_operations()}
     return max(graphs, key=lambda g: sum(n.name in names for n in g.node))
 
 

@@ -16,10 +16,13 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
-from tensorflow.python.eager import cancellation, context, execute
+from tensorflow.python.client import pywrap_tf_session as c_api
+from tensorflow.python.eager import cancellation, context, execute, record
+from tensorflow.python.eager.polymorphic_function import atomic_function, function_type_utils
 from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
 from tensorflow.python.framework import func_graph as func_graph_module
-from tensorflow.python.framework import importer
+from tensorflow.python.framework import importer, ops
+from tensorflow.python.ops import gradients_util
 from tensorflow.python.util import nest
 
 from capuchin_tf.tf import capture
@@ -29,17 +32,13 @@ class RewriteError(RuntimeError):
     """The rewritten graph could not be built."""
 
 
-def rebuild(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step",
-            input_shapes: Sequence | None = None) -> ConcreteFunction:
-    """A ConcreteFunction running `graph_def` on `concrete`'s captured variables, with `concrete`'s inputs, outputs
-    and structured outputs. `graph_def` is the post-optimization graph of `concrete` (capture.optimized_graph), as
-    is or edited: its `_Arg` nodes (by index: the user's inputs, then the captures) become the new function's
-    inputs, its `_Retval` nodes its outputs. Call the result with `call_without_grappler`: the graph is already
-    optimized, and Grappler must not rewrite the nodes capuchin_tf inserted. `input_shapes`: static shapes for the
-    user's inputs instead of the function's own (the step's real shapes, for a graph read only for its static
-    shapes, when the function's input signature leaves dimensions open)."""
+def _function_body(concrete, graph_def: graph_pb2.GraphDef, device_args: bool
+                   ) -> tuple[graph_pb2.GraphDef, dict[int, str], dict[int, str], list[str]]:
+    """`graph_def` as the body of a function: its `_Arg` nodes made placeholders (on their devices with
+    `device_args`), its `_Retval` nodes dropped, control edges from arguments dropped. Returns (the body, argument
+    index -> placeholder name, result index -> tensor "node:slot", the names of the function's control outputs that
+    are in it)."""
     orig = concrete.graph
-    n_user = len(orig.inputs) - len(orig.captures)
     body = graph_pb2.GraphDef()
     body.versions.CopyFrom(graph_def.versions)
     body.library.CopyFrom(graph_def.library)
@@ -47,7 +46,7 @@ def rebuild(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step"
     rets: dict[int, str] = {}
     for node in graph_def.node:
         if node.op == "_Arg":
-            ph = body.node.add(name=node.name, op="Placeholder")
+            ph = body.node.add(name=node.name, op="Placeholder", device=node.device if device_args else "")
             ph.attr["dtype"].CopyFrom(node.attr["T"])
             args[node.attr["index"].i] = node.name
         elif node.op == "_Retval":
@@ -65,7 +64,102 @@ def rebuild(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step"
         if len(kept) != len(node.input):
             del node.input[:]
             node.input.extend(kept)
+    present = {n.name for n in body.node}
+    control_names = [op.name for op in orig.control_outputs if op.name in present]
+    return body, args, rets, control_names
 
+
+_RUNNABLE_NAMES = itertools.count()
+
+
+class RunnableStep:
+    """A captured step's optimized GraphDef, edited or not, as a function of the runtime, called as the step is.
+
+    Made without a Python graph (`runnable`): the GraphDef is imported into a graph of the C API and made a function
+    there, which is what `rebuild` costs in Python for every node (ResNet50's passive step: 0.52-0.71 s by `rebuild`,
+    0.14-0.15 s this way). Calls take the step's own arguments and return its structured outputs; run it with
+    `call_without_grappler`. It records no gradient: a call under a GradientTape that watches its inputs raises
+    RewriteError (nothing has run)."""
+
+    def __init__(self, concrete, atomic, graph_def: graph_pb2.GraphDef):
+        self._concrete = concrete
+        self.atomic = atomic
+        n_user = len(concrete.graph.inputs) - len(concrete.graph.captures)
+        self.input_dtypes = [t.dtype for t in concrete.graph.inputs[:n_user]]
+        self.input_ranks = [t.shape.rank for t in concrete.graph.inputs[:n_user]]
+        self.captured_inputs = list(concrete.captured_inputs)
+        self.node_names = frozenset(n.name for n in graph_def.node)
+
+    def flat_inputs(self, args, kwargs) -> list:
+        """The flat tensors a call with `args` and `kwargs` passes (the step's inputs, then its captures)."""
+        function_type = self._concrete.function_type
+        bound = function_type_utils.canonicalize_function_inputs(args, kwargs, function_type)
+        return list(function_type.unpack_inputs(bound)) + self.captured_inputs
+
+    def __call__(self, *args, **kwargs):
+        flat = self.flat_inputs(args, kwargs)
+        if (record.could_possibly_record()
+                and gradients_util.PossibleTapeGradientTypes(flat) != gradients_util.POSSIBLE_GRADIENT_TYPES_NONE):
+            raise RewriteError("a gradient tape watches the step's inputs: capuchin_tf's rewritten step records no "
+                               "gradients")
+        return self.atomic.call_preflattened(flat)
+
+
+def runnable(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step") -> RunnableStep:
+    """`graph_def` (the post-optimization graph of `concrete`, as is or edited; see `rebuild`) as a RunnableStep on
+    `concrete`'s captured variables: its `_Arg` nodes (by index: the user's inputs, then the captures) are the
+    function's inputs, its `_Retval` nodes its outputs, every node keeps the device its NodeDef names. Raises
+    RewriteError when the graph does not import or does not make a function."""
+    body, args, rets, control_names = _function_body(concrete, graph_def, device_args=True)
+    graph = ops.Graph()
+    options = c_api.TF_NewImportGraphDefOptions()
+    try:
+        for i in range(len(args)):
+            c_api.TF_ImportGraphDefOptionsAddReturnOutput(options, args[i], 0)
+        for i in range(len(rets)):
+            node, _, slot = rets[i].rpartition(":")
+            c_api.TF_ImportGraphDefOptionsAddReturnOutput(options, node, int(slot))
+        for control in control_names:
+            c_api.TF_ImportGraphDefOptionsAddReturnOperation(options, control)
+        results = c_api.TF_GraphImportGraphDefWithResultsNoSerialization(graph._c_graph, body, options)
+        try:
+            outputs = c_api.TF_ImportGraphDefResultsReturnOutputs(results)
+            controls = c_api.TF_ImportGraphDefResultsReturnOperations(results)
+        finally:
+            c_api.TF_DeleteImportGraphDefResults(results)
+        fn_name = f"{name}_{next(_RUNNABLE_NAMES)}"
+        c_fn = c_api.TF_GraphToFunction_wrapper(graph._c_graph, fn_name, False, None, outputs[:len(args)],
+                                                outputs[len(args):], [], controls, [], None, "")
+    except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError, ValueError) as e:
+        raise RewriteError(f"the rewritten graph does not import: {e}") from e
+    finally:
+        c_api.TF_DeleteImportGraphDefOptions(options)
+    ctx = context.context()
+    for f in body.library.function:  # the conds and loops it calls
+        if not ctx.has_function(f.signature.name):
+            ctx.add_function_def(f)
+    try:
+        ctx.add_c_function(c_fn)
+    finally:
+        c_api.TF_DeleteFunction(c_fn)
+    # The runtime's function, released when this object is (AtomicFunction counts its references).
+    atomic = atomic_function.AtomicFunction(fn_name, ctx, concrete.function_type,
+                                            call_options=atomic_function.CallOptions(is_stateful=True))
+    return RunnableStep(concrete, atomic, graph_def)
+
+
+def rebuild(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step",
+            input_shapes: Sequence | None = None) -> ConcreteFunction:
+    """A ConcreteFunction running `graph_def` on `concrete`'s captured variables, with `concrete`'s inputs, outputs
+    and structured outputs. `graph_def` is the post-optimization graph of `concrete` (capture.optimized_graph), as
+    is or edited: its `_Arg` nodes (by index: the user's inputs, then the captures) become the new function's
+    inputs, its `_Retval` nodes its outputs. Call the result with `call_without_grappler`: the graph is already
+    optimized, and Grappler must not rewrite the nodes capuchin_tf inserted. `input_shapes`: static shapes for the
+    user's inputs instead of the function's own (the step's real shapes, for a graph read only for its static
+    shapes, when the function's input signature leaves dimensions open)."""
+    orig = concrete.graph
+    n_user = len(orig.inputs) - len(orig.captures)
+    body, args, rets, control_names = _function_body(concrete, graph_def, device_args=False)
     fg = func_graph_module.FuncGraph(name)
     with fg.as_default():
         input_map = {}
@@ -79,8 +173,6 @@ def rebuild(concrete, graph_def: graph_pb2.GraphDef, name: str = "capuchin_step"
         for j, (external, _) in enumerate(orig.captures):
             input_map[f"{args[n_user + j]}:0"] = fg.capture(external, name=f"capuchin_capture_{j}")
         output_names = [rets[i] for i in range(len(rets))]
-        present = {n.name for n in body.node}
-        control_names = [op.name for op in orig.control_outputs if op.name in present]
         # The importer applies each node's device through a device scope of its own, which costs a Python context
         # manager and a signature inspection per node (0.99 s of a 4.4 s install on bert-4l, profiled).
         # With no device scope around, that scope sets exactly the device string: the nodes are imported without
@@ -171,7 +263,7 @@ def grappler_off():
 
 
 def call_without_grappler(fn, *args):
-    """`fn(*args)` for a function made by `rebuild`: its graph is already optimized."""
+    """`fn(*args)` for a function made by `runnable` or `rebuild`: its graph is already optimized."""
     with grappler_off():
         return fn(*args)
 
@@ -185,8 +277,8 @@ def arg_specs(args) -> tuple | None:
     return tuple((t.dtype, t.device) for t in flat)
 
 
-def preinstantiate(fn, specs: tuple | None) -> bool:
-    """Instantiates `fn` (made by `rebuild`) for calls whose arguments are like `specs` (arg_specs) without running
+def preinstantiate(fn: RunnableStep, specs: tuple | None) -> bool:
+    """Instantiates `fn` (made by `runnable`) for calls whose arguments are like `specs` (arg_specs) without running
     it, so that its first call runs almost at once: TensorFlow instantiates a function (placement, the graph passes,
     partitioning) at its first call and keeps the instantiation for later calls with the same options and
     arguments' devices and dtypes; the executor and its kernels are still made at the first real call. The call is
@@ -199,17 +291,15 @@ def preinstantiate(fn, specs: tuple | None) -> bool:
     the call was not refused."""
     if specs is None:
         return False
-    n_user = len(fn.inputs) - len(fn.captured_inputs)
-    inputs = fn.inputs[:n_user]
-    if len(specs) != n_user or any(dtype != t.dtype or dtype in (tf.resource, tf.variant)
-                                   for (dtype, _), t in zip(specs, inputs)):
+    if len(specs) != len(fn.input_dtypes) or any(dtype != d or dtype in (tf.resource, tf.variant)
+                                                 for (dtype, _), d in zip(specs, fn.input_dtypes)):
         return False
     empty = []
-    for (dtype, device), t in zip(specs, inputs):
-        shape = [0] * (t.shape.rank or 0)
+    for (dtype, device), rank in zip(specs, fn.input_ranks):
+        shape = [0] * (rank or 0)
         with tf.device(device):
             empty.append(tf.fill(shape, "") if dtype == tf.string else tf.zeros(shape, dtype))
-    atomic = fn._inference_function
+    atomic = fn.atomic
     ctx = context.context()
     with grappler_off():  # the call options the step's own calls have (call_without_grappler)
         attrs = tuple(itertools.chain(*ctx.function_call_options.as_attrs().items()))

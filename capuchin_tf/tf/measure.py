@@ -85,7 +85,7 @@ def _anchor() -> int:
 
 
 def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None = None, meta: dict | None = None,
-                 keep_profile: str | None = None, graph_def=None):
+                 keep_profile: str | None = None, graph_def=None, shaped=None):
     """Runs `step(*args)` once as the measured execution. Returns (outputs, AccessTrace).
 
     `step` is a tf.function training step; `args` its inputs (tensors). The step really runs: its updates happen, with
@@ -93,14 +93,20 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
     that wait while memory is allocated are held by capuchin_tf's tensor pool) with passive mode on: if an allocation
     would fail, pooled tensors are evicted to host memory and brought back when read, so the step completes under a
     device limit it does not fit in; the trace is corrected to the ideal timeline and records the evicted bytes (the
-    saving target). `graph_def`: the passive step's graph (`rewrite.passive_graph`), if already made.
+    saving target). `graph_def`: the passive step's graph (`rewrite.passive_graph`), if already made, with `shaped`
+    (`rewrite.shapes_graph` of the optimized graph it was made from: the static shapes of its tensors).
     """
     concrete = capture.concrete_step(step, args)  # traces the function and refuses jit_compile
     if passive:
+        if graph_def is None or shaped is None:
+            optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
+            shaped = rewrite.shapes_graph(concrete, optimized, args)
+            graph_def = rewrite.passive_graph(concrete, args, optimized, shaped)
         fn = rewrite.passive_step(concrete, args, graph_def)
-        run, func_graph = (lambda: function_surgery.call_without_grappler(fn, *args)), fn.graph
+        run, func_graph, names = (lambda: function_surgery.call_without_grappler(fn, *args)), shaped, fn.node_names
     else:
         run, func_graph = (lambda: step(*args)), concrete.graph
+        names = {op.name for op in concrete.graph.get_operations()}
     logdir = keep_profile or tempfile.mkdtemp(prefix="capuchin_profile_")
     before = ops.host_store_stats()
     ops.drain_stalls()
@@ -115,7 +121,7 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
             ops.set_passive_mode(passive)
             t0 = time.perf_counter()
             try:
-                outputs, executed_def = capture.run_with_post_optimization_graph(run, func_graph)
+                outputs, executed_def = capture.run_with_post_optimization_graph(run, names)
             finally:
                 wall = time.perf_counter() - t0
                 ops.set_passive_mode(False)

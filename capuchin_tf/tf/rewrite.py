@@ -518,7 +518,7 @@ def passive_step(concrete, args, graph_def=None):
     fit, as long as what is not pooled fits, with the plain step's results bit for bit."""
     if graph_def is None:
         graph_def = passive_graph(concrete, args)
-    return function_surgery.rebuild(concrete, graph_def, name="capuchin_passive_step")
+    return function_surgery.runnable(concrete, graph_def, name="capuchin_passive_step")
 
 
 def pooled(graph_def, shaped, min_bytes: int = GUIDED_MIN_POOLED_BYTES, defer: bool = False, model=None,
