@@ -63,6 +63,9 @@ def main() -> int:
             (capture, "run_with_post_optimization_graph", "profiled_run_s"),
             (measure, "read_xspace", "read_profile_s"),
             (measure, "assemble_trace", "assemble_trace_s"),
+            (capture, "graph_model", "graph_model_s (every call: the floor's, the measured graph's)"),
+            (measure, "fold_pool_ops", "fold_pool_ops_s"),
+            (measure, "fold_views", "fold_views_s (the measured graph's)"),
             (managed_step, "make_plan", "make_plan_s"),
             (managed_step.ManagedStep, "_install", "install_s"),
     ):

@@ -245,8 +245,9 @@ def propagate_backward_roles(model: GraphModel) -> GraphModel:
                 changed = True
     if all(roles[n] == op.role for n, op in model.ops.items()):
         return model
-    ops = [dataclasses.replace(op, role=roles[op.name]) for op in model.ops.values()]
-    return GraphModel(ops={o.name: o for o in ops}, tensors=model.tensors)
+    ops = {name: op if roles[name] == op.role else dataclasses.replace(op, role=roles[name])
+           for name, op in model.ops.items()}
+    return GraphModel(ops=ops, tensors=model.tensors)
 
 
 # Ops whose output is always a view of one input's buffer: they never allocate (TensorFlow runs them inline, and the

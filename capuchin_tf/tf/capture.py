@@ -30,7 +30,6 @@ from capuchin_tf.core.graph_model import (
     TensorInfo,
     propagate_backward_roles,
     shape_of,
-    tensor_id,
 )
 from capuchin_tf.core.schedule import is_variable_writer
 
@@ -173,10 +172,6 @@ def num_outputs(node, op_def) -> int:
     return len(arg_types(node, op_def.output_arg))
 
 
-def _output_dtypes(node, op_def) -> list[str]:
-    return [tf.as_dtype(t).name if t else "unknown" for t in arg_types(node, op_def.output_arg)]
-
-
 def resource_inputs(node) -> list[int]:
     """Indices of `node`'s data inputs of type resource (from its OpDef; none for an op TensorFlow does not know)."""
     op_def = op_def_registry.get(node.op)
@@ -194,10 +189,6 @@ def variable_shapes_and_dtypes(handle) -> list[tuple[tf.DType, tf.TensorShape]] 
     if data is None or not data.is_set or not data.shape_and_type:
         return None
     return [(tf.as_dtype(d.dtype), tf.TensorShape(d.shape)) for d in data.shape_and_type]
-
-
-def _normalize_input(name: str) -> str:
-    return name if ":" in name else f"{name}:0"
 
 
 def is_backward_name(node_name: str) -> bool:
@@ -276,69 +267,93 @@ def graph_model(graph_def: graph_pb2.GraphDef, func_graph=None,
     `function_surgery.rebuild(...).graph`) supplies static shapes (`static_tensor`). `always_runs`: which nodes
     always run, if already known (control_flow.of_graph_def(graph_def).always_runs, or the GraphEditor's that made
     the graph)."""
-    nodes = list(graph_def.node)
+    # One read of each NodeDef (reading protobuf fields is most of the cost of a pass over a large graph).
+    names, types, data, controls, nodes = [], [], [], [], []
     consumers: dict[str, list[str]] = {}
-    for node in nodes:
-        for inp in node.input:
-            if not inp.startswith("^"):
-                consumers.setdefault(_normalize_input(inp), []).append(node.name)
-
+    for node in graph_def.node:
+        name, refs = node.name, list(node.input)
+        ins = [r if ":" in r else f"{r}:0" for r in refs if not r.startswith("^")]
+        for t in ins:
+            consumers.setdefault(t, []).append(name)
+        names.append(name)
+        types.append(node.op)
+        data.append(ins)
+        controls.append(tuple(r[1:] for r in refs if r.startswith("^")))
+        nodes.append(node)
     # Lowered conds and loops: which ops always run (control_flow.py).
     if always_runs is None:
-        always_runs = control_flow.of_graph_def(graph_def).always_runs
-    by_name = {n.name: n for n in nodes}
+        always_runs = control_flow.analyze(
+            control_flow.FlowNode(name=name, op=op, inputs=tuple(ins), control_inputs=ctrl,
+                                  frame_name=node.attr["frame_name"].s.decode()
+                                  if op in control_flow.ENTER_OPS else None)
+            for name, op, ins, ctrl, node in zip(names, types, data, controls, nodes)).always_runs
+    dtype_names: dict[int, str] = {}
+
+    def _dtype_name(enum: int) -> str:
+        found = dtype_names.get(enum)
+        if found is None:
+            found = dtype_names[enum] = tf.as_dtype(enum).name if enum else "unknown"
+        return found
+
+    op_defs, out_dtypes = [], {}  # out_dtypes: of the nodes whose op this process knows
+    for name, op, node in zip(names, types, nodes):
+        op_def = op_def_registry.get(op)
+        op_defs.append(op_def)
+        if op_def is not None:
+            out_dtypes[name] = [_dtype_name(t) for t in arg_types(node, op_def.output_arg)]
 
     def _input_dtype(ref: str) -> str:
         """The dtype name of a data input ("node:slot"), "unknown" when it cannot be told."""
-        name, _, slot = ref.partition(":")
-        producer = by_name.get(name)
-        op_def = op_def_registry.get(producer.op) if producer is not None else None
-        if op_def is None:
-            return "unknown"
-        dtypes = _output_dtypes(producer, op_def)
-        k = int(slot) if slot else 0
-        return dtypes[k] if k < len(dtypes) else "unknown"
+        name, _, slot = ref.rpartition(":")
+        dtypes = out_dtypes.get(name)
+        k = int(slot)
+        return dtypes[k] if dtypes is not None and k < len(dtypes) else "unknown"
+
+    table = _static_of(func_graph) if func_graph is not None else None
+    sized: dict[int, tuple] = {}  # id(StaticTensor) -> (shape, nbytes)
     ops, tensors = [], []
-    for node in nodes:
-        op_def = op_def_registry.get(node.op)
+    for name, op, ins, ctrl, node, op_def in zip(names, types, data, controls, nodes, op_defs):
         stateful = bool(op_def.is_stateful) if op_def is not None else True
-        if op_def is not None:
-            n_out = num_outputs(node, op_def)
-            dtypes = _output_dtypes(node, op_def)
-        else:  # an op this process does not know: keep what its consumers tell
-            slots = [int(t.rsplit(":", 1)[1]) for t in consumers if t.rsplit(":", 1)[0] == node.name]
-            n_out = max(slots) + 1 if slots else 0
-            dtypes = ["unknown"] * n_out
+        dtypes = out_dtypes.get(name)
+        if dtypes is None:  # an op this process does not know: keep what its consumers tell
+            slots = [int(t.rsplit(":", 1)[1]) for t in consumers if t.rsplit(":", 1)[0] == name]
+            dtypes = ["unknown"] * (max(slots) + 1 if slots else 0)
+        persistent = op in PERSISTENT_PRODUCERS
         outputs = []
-        for slot in range(n_out):
-            tid = tensor_id(node.name, slot)
+        mirrors = None
+        for slot in range(len(dtypes)):
+            tid = f"{name}:{slot}"
             shape, nbytes = None, -1
-            static = static_tensor(func_graph, node, slot) if func_graph is not None else None
-            if static is not None and static.shape.rank is not None:
-                shape = shape_of(static.shape.as_list())
-                dtype = static.dtype
-                if static.shape.is_fully_defined() and dtype.is_numpy_compatible and dtype != tf.string:
-                    nbytes = int(static.shape.num_elements()) * dtype.size
-            tensors.append(TensorInfo(
-                id=tid, op=node.name, dtype=dtypes[slot] if slot < len(dtypes) else "unknown", shape=shape,
-                nbytes=nbytes, consumers=tuple(consumers.get(tid, ())),
-                persistent=node.op in PERSISTENT_PRODUCERS,
-            ))
+            static = None
+            if table is not None:
+                static = table.get(tid)
+                if static is None:
+                    if mirrors is None:
+                        mirrors = node.attr[MIRRORS_ATTR].list.s if MIRRORS_ATTR in node.attr else []
+                    static = table.get(mirrors[slot].decode()) if slot < len(mirrors) else None
+            if static is not None:
+                found = sized.get(id(static))
+                if found is None:
+                    if static.shape.rank is not None:
+                        shape = shape_of(static.shape.as_list())
+                        dtype = static.dtype
+                        if static.shape.is_fully_defined() and dtype.is_numpy_compatible and dtype != tf.string:
+                            nbytes = int(static.shape.num_elements()) * dtype.size
+                    found = sized[id(static)] = (shape, nbytes)
+                shape, nbytes = found
+            tensors.append(TensorInfo(id=tid, op=name, dtype=dtypes[slot], shape=shape, nbytes=nbytes,
+                                      consumers=tuple(consumers.get(tid, ())), persistent=persistent))
             outputs.append(tid)
-        runs = always_runs(node.name)
+        runs = always_runs(name)
         # Replayable: running it again on the same inputs gives the same bits. Not a stateful op (variables, random
         # ops with a hidden state), nor lowered or functional control flow, nor an op that may not run, nor one that
         # reads a resource or a variant (what a handle or a list refers to can change between the run and the replay).
-        replayable = (not stateful and node.op not in FUNCTIONAL_OPS and node.op not in control_flow.CONTROL_FLOW_OPS
-                      and runs and node.op not in ("_Arg", "_Retval")
-                      and not any(_input_dtype(i) in ("resource", "variant") for i in node.input
-                                  if not i.startswith("^")))
+        replayable = (not stateful and op not in FUNCTIONAL_OPS and op not in control_flow.CONTROL_FLOW_OPS
+                      and runs and op not in ("_Arg", "_Retval")
+                      and not any(_input_dtype(i) in ("resource", "variant") for i in ins))
         ops.append(OpInfo(
-            name=node.name, type=node.op,
-            inputs=tuple(_normalize_input(i) for i in node.input if not i.startswith("^")),
-            control_inputs=tuple(i[1:] for i in node.input if i.startswith("^")),
-            outputs=tuple(outputs), role=_role(node.name, node.op, optimizer_scopes),
-            stateful=stateful, replayable=replayable, always_runs=runs,
+            name=name, type=op, inputs=tuple(ins), control_inputs=ctrl, outputs=tuple(outputs),
+            role=_role(name, op, optimizer_scopes), stateful=stateful, replayable=replayable, always_runs=runs,
         ))
     # Inputs naming tensors of nodes that are not in this graph (should not happen in a post-optimization graph)
     # would make the model inconsistent: drop them with the check.
