@@ -6,8 +6,8 @@
 
 Runs the model's measured step and two guided steps under `capuchin_tf.function`, then makes the plan change the
 feedback makes for late prefetches (every in-trigger moved earlier: policy.feedback.move_triggers) and times its
-parts: planning from scratch (what a tighter plan costs), the graph edits (rewrite.apply_plan, rewrite.pooled), the
-rebuild of the function (function_surgery.rebuild) and the first and second guided calls after it, against the
+parts: planning from scratch (what a tighter plan costs), the graph edits (rewrite.plan_editor, rewrite.pooled on
+its editor), the function made of them (function_surgery.runnable) and the first and second guided calls after it, against the
 guided step before. Prints one line per part and writes them as JSON, stamped.
 """
 
@@ -49,14 +49,14 @@ def main() -> int:
     dtypes = {t: info[0] for t, info in state.tensor_info.items()}
     shapes = {t: info[1] for t, info in state.tensor_info.items()}
     t0 = time.perf_counter()
-    graph_def = rewrite.apply_plan(state.optimized, moved, state.trace, dtypes, shapes)
+    editor = rewrite.plan_editor(state.optimized, moved, state.trace, dtypes, shapes)
     parts["apply_plan_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    graph_def = rewrite.pooled(graph_def, state.shaped)
+    graph_def = rewrite.pooled(editor.graph, state.shaped, editor=editor)
     parts["pooled_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    function_surgery.rebuild(state.concrete, graph_def, name="capuchin_guided_step")
-    parts["rebuild_s"] = time.perf_counter() - t0
+    function_surgery.runnable(state.concrete, graph_def, name="capuchin_guided_step")
+    parts["runnable_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     installed = managed._install(state, moved, state.plan_budget)  # the same edits, installed
     parts["install_s"] = time.perf_counter() - t0
