@@ -56,6 +56,8 @@ def test_guided_steps_follow_the_plan_and_give_plain_tensorflows_bits(plain, pol
     assert sum(n.startswith("capuchin/swap_in/") for n in names) == len(plan.swaps)
     assert (sum(n.startswith("capuchin/recompute/") for n in names)
             == sum(len(d.replay_ops) for d in plan.recomputes))
+    # The plan's editor going on into the pool (what a guided step is made of) makes the graph a fresh editor makes.
+    assert rewrite.guided_graph(optimized, plan, trace, dtypes, shapes, shaped) == rewrite.pooled(rewritten, shaped)
     guided = function_surgery.runnable(concrete, rewritten)
 
     losses = [float.hex(float(loss))]
@@ -73,6 +75,25 @@ def test_guided_steps_follow_the_plan_and_give_plain_tensorflows_bits(plain, pol
     # the executed order is the measured one, so the guided peak is the planned one, not plain TensorFlow's
     assert max(peaks) < trace.peak_bytes
     assert max(peaks) <= 1.10 * max(budget, plan.predicted_peak_bytes)
+
+
+def test_a_graph_model_with_the_control_inputs_an_editor_added_is_the_model_of_the_edited_graph():
+    """The passive graph's deferral gates are control edges only: GraphModel.with_control_inputs of what the editor
+    added is what capture.graph_model reads from the gated graph (rewrite.pooled relies on it instead of a second
+    pass over the graph)."""
+    from capuchin_tf.core.schedule import deferral_gates
+
+    setup = models.build("transformer", 8)
+    concrete = setup.train_step.get_concrete_function()
+    optimized = capture.optimized_graph(concrete, setup.inputs)
+    shaped = rewrite.shapes_graph(concrete, optimized, setup.inputs)
+    model = capture.graph_model(optimized, shaped)
+    gates = deferral_gates(model)
+    ed = rewrite.GraphEditor(optimized)
+    rewrite._gates(ed, gates)
+    assert sum(map(len, ed.added_controls.values())) > 0, gates  # something to compare
+    assert model.with_control_inputs(ed.added_controls) == capture.graph_model(ed.graph, shaped)
+    assert model.with_control_inputs(ed.added_controls) != model
 
 
 def test_a_read_through_views_reads_clones_of_the_views_on_the_new_tensor():

@@ -7,8 +7,8 @@
 Runs the model's measured step and two guided steps under `capuchin_tf.function`, then makes the plan change the
 feedback makes for late prefetches (every in-trigger moved earlier: policy.feedback.move_triggers) and times its
 parts: planning from scratch (what a tighter plan costs), the graph edits (rewrite.plan_editor, rewrite.pooled on
-its editor), the function made of them (function_surgery.runnable) and the first and second guided calls after it, against the
-guided step before. Prints one line per part and writes them as JSON, stamped.
+its editor), the function made of them (function_surgery.runnable) and the first and second guided calls after it,
+against the guided step before. Prints one line per part and writes them as JSON, stamped.
 """
 
 from __future__ import annotations
