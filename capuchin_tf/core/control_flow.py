@@ -227,16 +227,24 @@ class IncrementalOrder:
     def __contains__(self, node: str) -> bool:
         return node in self.ord
 
-    def add_node(self, node: str, after: Iterable[str] = ()) -> None:
-        """A new node, placed right after the latest of `after` (its inputs), with edges from them."""
+    def add_node(self, node: str, after: Iterable[str] = (), before: str | None = None) -> None:
+        """A new node with edges from `after` (its inputs), placed right after the latest of them, or, with `before`
+        (the node it will feed) later than them, right before that node: edges added to it later from nodes between
+        its inputs and its reader then agree with the order and cost nothing. Where it is placed changes no answer
+        of `add_edge` or `reaches`, only what they cost."""
         after = [a for a in after if a in self.ord]
         low = max((self.ord[a] for a in after), default=-1.0)
         i = bisect.bisect_right(self._sorted, low)
-        high = self._sorted[i] if i < len(self._sorted) else low + 2.0
+        if before in self.ord and self.ord[before] > low:
+            i = bisect.bisect_left(self._sorted, self.ord[before])
+            high = self._sorted[i]
+            low = self._sorted[i - 1] if i > 0 else high - 2.0  # the node before it: at or after every input
+        else:
+            high = self._sorted[i] if i < len(self._sorted) else low + 2.0
         new = (low + high) / 2
         if not low < new < high:  # no float left between them: renumber everything, spaced again
             self._renumber()
-            return self.add_node(node, after)
+            return self.add_node(node, after, before)
         self.ord[node] = new
         self._sorted.insert(i, new)
         for a in after:

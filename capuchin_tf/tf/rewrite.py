@@ -94,19 +94,21 @@ class GraphEditor:
         return self._always.get(name, False)
 
     def add_node(self, name: str, op: str, inputs: Sequence[str], device: str,
-                 mirrors: Sequence[str] = ()) -> node_def_pb2.NodeDef:
+                 mirrors: Sequence[str] = (), reader: str | None = None) -> node_def_pb2.NodeDef:
         """A new node reading `inputs` (data inputs as refs); it runs whenever they are all computed. `mirrors`: per
-        output, the tensor whose value it has (capture.MIRRORS_ATTR)."""
+        output, the tensor whose value it has (capture.MIRRORS_ATTR). `reader`: the node it will feed, if known (the
+        edges gating it then cost least to check: IncrementalOrder.add_node)."""
         if name in self.nodes:
             raise RewriteError(f"the rewrite would insert {name!r} twice")
         node = self.graph.node.add(name=name, op=op, input=list(inputs), device=device)
         if mirrors:
             node.attr[capture.MIRRORS_ATTR].list.s.extend(m.encode() for m in mirrors)
-        return self._register(node)
+        return self._register(node, reader)
 
-    def add_copy(self, original: node_def_pb2.NodeDef, name: str, inputs: Sequence[str]) -> node_def_pb2.NodeDef:
+    def add_copy(self, original: node_def_pb2.NodeDef, name: str, inputs: Sequence[str],
+                 reader: str | None = None) -> node_def_pb2.NodeDef:
         """A clone of `original` (attributes and device) named `name`, reading `inputs` (data inputs only); its
-        outputs mirror the original's (capture.MIRRORS_ATTR)."""
+        outputs mirror the original's (capture.MIRRORS_ATTR). `reader`: as for `add_node`."""
         if name in self.nodes:
             raise RewriteError(f"the rewrite would insert {name!r} twice")
         node = self.graph.node.add()
@@ -117,14 +119,15 @@ class GraphEditor:
         if capture.MIRRORS_ATTR not in original.attr:
             n_out = max(_num_outputs(original), 1)
             node.attr[capture.MIRRORS_ATTR].list.s[:] = [f"{original.name}:{k}".encode() for k in range(n_out)]
-        return self._register(node)
+        return self._register(node, reader)
 
-    def _register(self, node: node_def_pb2.NodeDef) -> node_def_pb2.NodeDef:
+    def _register(self, node: node_def_pb2.NodeDef, reader: str | None = None) -> node_def_pb2.NodeDef:
         sources = [_split_ref(i)[0] for i in node.input if not i.startswith("^")]
         self.nodes[node.name] = node
         self._always[node.name] = all(self._always.get(src, False) for src in sources)
         self._unit[node.name] = node.name
-        self.order.add_node(node.name, after=dict.fromkeys(self._unit[src] for src in sources))
+        self.order.add_node(node.name, after=dict.fromkeys(self._unit[src] for src in sources),
+                            before=self._unit.get(reader) if reader is not None else None)
         return node
 
     def set_input(self, node: node_def_pb2.NodeDef, i: int, ref: str) -> None:
@@ -186,7 +189,7 @@ def _hold_get(ed: GraphEditor, plan: Mapping[str, Sequence], dtypes: Mapping[str
         shape = shapes.get(tid)
         for k, read in enumerate(reads):
             get = ed.add_node(f"capuchin/get/{safe_name(tid)}/{k}", "Capuchin>Get", [base], device,
-                              mirrors=[_mirror(ed, tid)])
+                              mirrors=[_mirror(ed, tid)], reader=read.reader)
             get.attr["dtype"].CopyFrom(_attr_type(dtypes[tid]))
             get.attr["shape"].CopyFrom(_attr_shape(tf_dims(shape)))
             _rewire(ed, ed.nodes[read.reader], tid, get.name, get.name)
@@ -419,7 +422,8 @@ def plan_editor(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str,
         if pos.get(d.evicted_access.op, -1) >= pos.get(back, len(pos)):
             skipped.append(tid)  # the enforced order puts the evicted-access after a later reader: not realizable
             continue
-        swap_out = ed.add_node(f"capuchin/swap_out/{key}", "Capuchin>SwapOut", [_ref(tid)], producer.device)
+        swap_out = ed.add_node(f"capuchin/swap_out/{key}", "Capuchin>SwapOut", [_ref(tid)], producer.device,
+                               reader=back)
         swap_out.attr["T"].CopyFrom(_attr_type(dtypes[tid]))
         swap_out.attr["tensor_name"].CopyFrom(attr_value_pb2.AttrValue(s=tid.encode()))
         if d.evicted_access.op != producer.name:
@@ -429,11 +433,12 @@ def plan_editor(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str,
         if trigger is not None and pos.get(trigger, len(pos)) >= pos[back]:
             trigger = before.get(back)  # the trigger falls after the back-access in the enforced order
         if trigger is not None:
-            prefetch = ed.add_node(f"capuchin/prefetch/{key}", "Capuchin>Prefetch", [handle], producer.device)
+            prefetch = ed.add_node(f"capuchin/prefetch/{key}", "Capuchin>Prefetch", [handle], producer.device,
+                                   reader=back)
             ed.add_control(prefetch.name, trigger)
             handle = prefetch.name
         swap_in = ed.add_node(f"capuchin/swap_in/{key}", "Capuchin>SwapIn", [handle], producer.device,
-                              mirrors=[_mirror(ed, tid)])
+                              mirrors=[_mirror(ed, tid)], reader=back)
         swap_in.attr["dtype"].CopyFrom(_attr_type(dtypes[tid]))
         shape = shapes.get(tid)
         swap_in.attr["shape"].CopyFrom(_attr_shape(tf_dims(shape)))
@@ -463,7 +468,7 @@ def plan_editor(graph_def: graph_pb2.GraphDef, plan, trace, dtypes: Mapping[str,
             original = nodes[name]
             # ordering edges of the original are dropped: the clone is ordered by its gate and its inputs
             clone = ed.add_copy(original, f"{RECOMPUTE_PREFIX}{key}/{name}",
-                                [i for i in original.input if not i.startswith("^")])
+                                [i for i in original.input if not i.startswith("^")], reader=back)
             rebuilt = {b for b in (_split_ref(_view_chain(nodes, i)[0]) for i in clone.input) if b[0] in replayed}
             if not rebuilt and gate is not None:
                 ed.add_control(clone.name, gate)

@@ -163,3 +163,44 @@ def test_add_edge_refuses_exactly_the_edges_that_close_a_cycle(case):
             succ.setdefault(u, set()).add(v)
         for a, b in itertools.chain.from_iterable(((x, y) for y in ys) for x, ys in succ.items()):
             assert order.ord[a] < order.ord[b]
+
+
+def test_a_new_node_with_its_reader_goes_right_before_it():
+    order = IncrementalOrder("abcd", [("a", "b"), ("b", "c"), ("c", "d")])
+    order.add_node("x", after=["a"], before="d")
+    assert order.ord["c"] < order.ord["x"] < order.ord["d"]
+    order.add_node("y", after=["c"], before="b")  # its reader comes before its input: right after the input
+    assert order.ord["c"] < order.ord["y"]
+    order.add_node("z", before="a")  # no input, placed before the first node
+    assert order.ord["z"] < order.ord["a"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(4, 12).flatmap(lambda n: st.tuples(
+    st.just(n),
+    st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=20),
+    st.lists(st.tuples(st.booleans(), st.integers(0, 30), st.integers(0, 30)), max_size=40))))
+def test_nodes_placed_before_their_readers_keep_the_order_exact(case):
+    """New nodes placed after their inputs or before a reader, mixed with edges: the order stays a topological order
+    and add_edge still refuses exactly the edges that close a cycle."""
+    n, initial, steps = case
+    nodes = [str(i) for i in range(n)]
+    base = [(str(min(u, v)), str(max(u, v))) for u, v in initial if u != v]
+    order = IncrementalOrder(nodes, base)
+    succ = {}
+    for u, v in base:
+        succ.setdefault(u, set()).add(v)
+    for new_node, a, b in steps:
+        if new_node:
+            name, src, reader = f"n{len(nodes)}", nodes[a % len(nodes)], nodes[b % len(nodes)]
+            order.add_node(name, after=[src], before=reader)
+            nodes.append(name)
+            succ.setdefault(src, set()).add(name)
+            continue
+        u, v = nodes[a % len(nodes)], nodes[b % len(nodes)]
+        closes = u == v or _reach(succ, v, u)
+        assert order.add_edge(u, v) == (not closes)
+        if not closes:
+            succ.setdefault(u, set()).add(v)
+    for a, b in itertools.chain.from_iterable(((x, y) for y in ys) for x, ys in succ.items()):
+        assert order.ord[a] < order.ord[b]
