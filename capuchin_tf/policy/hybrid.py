@@ -532,8 +532,7 @@ def hybrid(
     need = h.free_swaps(ctx.target)
     h.mixed(need)
 
-    decisions = h.decisions()
-    sim = simulate(trace, decisions, device_model, index=ctx.idx)
+    decisions, sim = _simulate_feasible(trace, h.decisions(), device_model, ctx.idx)
     reason = None
     for _ in range(max_rounds):
         if fits(ctx, sim):
@@ -549,8 +548,7 @@ def hybrid(
                 f"{ctx.budget} bytes, and no remaining candidate tensor can be off the device there"
             )
             break
-        decisions = h.decisions()
-        sim = simulate(trace, decisions, device_model, index=ctx.idx)
+        decisions, sim = _simulate_feasible(trace, h.decisions(), device_model, ctx.idx)
 
     if early_recompute and recompute and any(d.kind == "recompute" for d in decisions):
         moved = move_early(ctx, decisions, sim, h.res)
@@ -566,6 +564,22 @@ def hybrid(
             ):
                 decisions, sim = moved, sim2
     return finalize(ctx, policy, decisions, options=options, started=started, sim=sim, reason=reason)
+
+
+def _simulate_feasible(trace, decisions: list, device_model, index) -> tuple[list, object]:
+    """(decisions, their simulation), less the decisions the simulator names as infeasible, one round at a time (a
+    replay whose source the greedy's bookkeeping kept although another decision evicts it: recompute.py keeps a
+    chosen target's old chain rather than lose it). Raises InfeasiblePlanError when it names none of them."""
+    while True:
+        try:
+            return decisions, simulate(trace, decisions, device_model, index=index)
+        except InfeasiblePlanError as e:
+            message = str(e)
+            named = [d for d in decisions if repr(d.tensor) in message]
+            if not named:
+                raise
+            first = min(named, key=lambda d: message.index(repr(d.tensor)))
+            decisions = [d for d in decisions if d is not first]
 
 
 __all__ = ["plan_capuchin", "plan_swap_only", "plan_recompute_only", "hybrid"]

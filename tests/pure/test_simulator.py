@@ -272,3 +272,19 @@ def test_the_lower_bound_lets_idle_gaps_absorb_a_replay():
     bound = lower_bound_s(t, _plan(t, early))
     assert bound == pytest.approx(t.step_time) and t.step_time > 12 * MS
     assert simulate(t, early, LINK).step_time == pytest.approx(bound)
+
+
+def test_the_hybrid_sheds_the_decision_the_simulator_names_and_keeps_the_rest():
+    """A greedy round can keep a replay whose source another decision evicts (recompute.py keeps a chosen target's
+    old chain rather than lose it): the hybrid drops the decision the simulator names, not the whole plan, and never
+    passes the simulator's error on while a named decision is left to drop."""
+    from capuchin_tf.policy.hybrid import _simulate_feasible
+
+    t = five_ops()
+    keep = swap(t, "f1:0", 1, 2, None)
+    plan = [recompute(t, "f2:0", 1, 2, ["f2"], ["f1:0"]), keep]
+    decisions, sim = _simulate_feasible(t, plan, LINK, None)
+    assert decisions == [keep] and sim.step_time > 0
+    t = five_ops(g_reads_b=False)
+    decisions, _ = _simulate_feasible(t, [recompute(t, "f2:0", 1, 2, ["f2"], ["f1:0"])], LINK, None)
+    assert decisions == []
