@@ -4,7 +4,9 @@
         .venv/bin/python tools/profile_plan_change.py --model resnet50 --batch 32 --budget-mb 207 --link p100 \
         --json out.json
 
-Runs the model's measured step and two guided steps under `capuchin_tf.function`, then makes the plan change the
+With --background, the same change is built off the critical path as the runtime builds it (the steps that ran
+while it was built and the first on the new plan, against the guided steps before). Otherwise:
+runs the model's measured step and two guided steps under `capuchin_tf.function`, then makes the plan change the
 feedback makes for late prefetches (every in-trigger moved earlier: policy.feedback.move_triggers) and times its
 parts: planning from scratch (what a tighter plan costs), the graph edits (rewrite.plan_editor, rewrite.pooled on
 its editor), the function made of them (function_surgery.runnable) and the first and second guided calls after it,
@@ -20,7 +22,11 @@ from probe_common import step_parser
 
 
 def main() -> int:
-    a = step_parser(__doc__, model="resnet50", batch=32).parse_args()
+    p = step_parser(__doc__, model="resnet50", batch=32)
+    p.add_argument("--background", action="store_true",
+                   help="the same change built off the critical path (ManagedStep._change, as the feedback makes it): "
+                        "the steps that ran while it was built and the first after it, against the guided step before")
+    a = p.parse_args()
 
     import capuchin_tf  # noqa: F401  (the allocator wrapper, before TensorFlow's first op)
     from capuchin_tf.cli import models
@@ -41,6 +47,8 @@ def main() -> int:
     (state,) = managed.states().values()
     plan = state.plan
     parts: dict[str, float] = {"guided_call_before_s": calls[-1]}
+    if a.background:
+        return _background(a, managed, state, setup, calls, git_commit, machine)
 
     t0 = time.perf_counter()
     make_plan(state.trace, state.plan_budget, "capuchin", plan.device, **options.planner_options())
@@ -73,6 +81,50 @@ def main() -> int:
         print(f"{k:24s} {v:8.3f}")
     print(f"plan change: {parts['plan_change_s']:.2f} s, {parts['plan_change_s'] / parts['second_call_after_s']:.2f}x "
           f"a guided step ({len(graph_def.node)} nodes)")
+    with open(a.json, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+def _background(a, managed, state, setup, calls, git_commit, machine) -> int:
+    """The change built in the background: guided steps run while it is built (each marked `building`; after each,
+    ManagedStep._take_build, as with the feedback on), then it is taken. Its cost: the time those steps and the
+    first step on the new plan took beyond as many guided steps at the median before it (two more guided steps are
+    run first for that median)."""
+    import statistics
+
+    from capuchin_tf.policy.feedback import move_triggers
+
+    for _ in range(2):
+        t0 = time.perf_counter()
+        managed(*setup.inputs)
+        calls.append(time.perf_counter() - t0)
+    before = statistics.median(calls[-3:])
+    moved = move_triggers(state.plan, state.trace, earlier={d.tensor: 0.0 for d in state.plan.swaps if d.in_trigger},
+                          later=set())
+    t0 = time.perf_counter()
+    installed_now = managed._change(state, moved, state.plan_budget)
+    start_s = time.perf_counter() - t0
+    overlapped, after = [], []
+    for _ in range(12):
+        building = state.build is not None
+        t0 = time.perf_counter()
+        managed(*setup.inputs)
+        if building:  # what the runtime does after such a step with the feedback on (this run has it off)
+            managed._take_build(state, state.history[-1])
+        (overlapped if building else after).append(time.perf_counter() - t0)
+        if not building and len(after) >= 2:
+            break
+    cost = start_s + sum(overlapped) + after[0] - (len(overlapped) + 1) * before
+    result = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": a.model,
+              "batch": a.batch, "budget_mb": a.budget_mb, "link": a.link, "background": True,
+              "installed_at_once": installed_now, "taken": state.plan is moved, "calls_s": calls,
+              "guided_median_before_s": before, "start_s": start_s, "overlapped_steps_s": overlapped,
+              "steps_after_s": after, "plan_change_s": cost}
+    for k in ("guided_median_before_s", "start_s", "overlapped_steps_s", "steps_after_s", "taken"):
+        print(f"{k:24s} {result[k]}")
+    print(f"plan change in the background: {cost:.2f} s beyond {len(overlapped) + 1} guided steps, "
+          f"{cost / before:.2f}x a guided step")
     with open(a.json, "w") as f:
         json.dump(result, f, indent=1)
     return 0
