@@ -90,7 +90,7 @@ def test_a_graph_model_with_the_control_inputs_an_editor_added_is_the_model_of_t
     model = capture.graph_model(optimized, shaped)
     gates = deferral_gates(model)
     ed = rewrite.GraphEditor(optimized)
-    rewrite._gates(ed, gates)
+    rewrite.add_gates(ed, gates)
     assert sum(map(len, ed.added_controls.values())) > 0, gates  # something to compare
     assert model.with_control_inputs(ed.added_controls) == capture.graph_model(ed.graph, shaped)
     assert model.with_control_inputs(ed.added_controls) != model

@@ -156,8 +156,8 @@ class GraphEditor:
         return True
 
 
-def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence], dtypes: Mapping[str, str],
-                    shapes: Mapping[str, tuple | None], order: Sequence[str] | None = None) -> graph_pb2.GraphDef:
+def insert_hold_get(ed: GraphEditor, plan: Mapping[str, Sequence], dtypes: Mapping[str, str],
+                    shapes: Mapping[str, tuple | None]) -> None:
     r"""Hands each tensor of `plan` (pool_plan.hold_plan) to the pool right after it is produced; each of its far
     readers reads it through its own Get, which runs only after that read's gates.
 
@@ -167,18 +167,9 @@ def insert_hold_get(graph_def: graph_pb2.GraphDef, plan: Mapping[str, Sequence],
                   ^ u                                                 ^ (ctrl: gates, e.g. u's producer)
     Once F has run, the pool holds t's only reference: passive mode can evict it, and the Get brings it back.
     `dtypes`/`shapes`: the tensor's dtype name and static shape (None or -1 entries where unknown). Gates that may
-    not run or would close a cycle are left out (GraphEditor.add_control). `order`: the order the gates were chosen
-    in (pool_plan.hold_plan's estimate), where they cost least to check.
+    not run or would close a cycle are left out (GraphEditor.add_control). The edits go into `ed`.
     Inserted nodes: `capuchin/hold/<tensor>`, `capuchin/get/<tensor>/<k>`, on the producer's device.
     """
-    ed = GraphEditor(graph_def, order=order)
-    _hold_get(ed, plan, dtypes, shapes)
-    return ed.graph
-
-
-def _hold_get(ed: GraphEditor, plan: Mapping[str, Sequence], dtypes: Mapping[str, str],
-              shapes: Mapping[str, tuple | None]) -> None:
-    """`insert_hold_get` on the graph `ed` edits."""
     for tid, reads in plan.items():
         op, slot = split_tensor_id(tid)
         base = f"capuchin/hold/{safe_name(tid)}"
@@ -211,21 +202,14 @@ def _num_outputs(node: node_def_pb2.NodeDef) -> int:
     return capture.num_outputs(node, op_def) if op_def is not None else 1
 
 
-def add_gates(graph_def: graph_pb2.GraphDef, gates: Mapping[str, Sequence[str]],
-              order: Sequence[str] | None = None) -> graph_pb2.GraphDef:
-    """`graph_def` with each op of `gates` waiting for its gates (control edges; schedule.deferral_gates), where
-    GraphEditor.add_control allows:
+def add_gates(ed: GraphEditor, gates: Mapping[str, Sequence[str]]) -> None:
+    """Each op of `gates` in the graph `ed` edits waits for its gates (control edges; schedule.deferral_gates),
+    where GraphEditor.add_control allows:
 
         G ...          G ...
         X --> R        X --> R
                        ^ (ctrl: G)
     """
-    ed = GraphEditor(graph_def, order=order)
-    _gates(ed, gates)
-    return ed.graph
-
-
-def _gates(ed: GraphEditor, gates: Mapping[str, Sequence[str]]) -> None:
     for name, gs in gates.items():
         for gate in gs:
             ed.add_control(name, gate)
@@ -546,7 +530,7 @@ def pooled(graph_def, shaped, min_bytes: int = GUIDED_MIN_POOLED_BYTES, defer: b
         ed = GraphEditor(graph_def, order=schedule_order(model), flow=flow)
     if defer:
         before = {node: list(gates) for node, gates in ed.added_controls.items()}
-        _gates(ed, deferral_gates(model))
+        add_gates(ed, deferral_gates(model))
         # Gates are control edges only: the gated graph's model is this one with them (GraphEditor.add_control).
         model = model.with_control_inputs({node: gates[len(before.get(node, ())):]
                                            for node, gates in ed.added_controls.items()})
@@ -566,5 +550,5 @@ def pooled(graph_def, shaped, min_bytes: int = GUIDED_MIN_POOLED_BYTES, defer: b
         t = capture.static_tensor(shaped, ed.nodes[op], slot)
         dtypes[tid] = t.dtype.name
         shapes[tid] = shape_of(None if t.shape.rank is None else t.shape.as_list())
-    _hold_get(ed, plan, dtypes, shapes)
+    insert_hold_get(ed, plan, dtypes, shapes)
     return ed.graph
