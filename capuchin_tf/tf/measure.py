@@ -100,8 +100,9 @@ def measure_step(step, args, *, passive: bool = True, budget_bytes: int | None =
     if passive:
         if graph_def is None or shaped is None:
             optimized = capture.optimized_graph(concrete, args)  # without running the step: it may not fit
-            shaped = rewrite.shapes_graph(concrete, optimized, args)
-            graph_def = rewrite.passive_graph(concrete, args, optimized, shaped)
+            shaped = shaped if shaped is not None else rewrite.shapes_graph(concrete, optimized, args)
+            graph_def = graph_def if graph_def is not None else rewrite.passive_graph(concrete, args, optimized,
+                                                                                       shaped)
         fn = rewrite.passive_step(concrete, args, graph_def)
         run, func_graph, names = (lambda: function_surgery.call_without_grappler(fn, *args)), shaped, fn.node_names
     else:
