@@ -125,6 +125,27 @@ def _reach(succ, u, v):
     return False
 
 
+def _order_and_successors(nodes, base):
+    order = IncrementalOrder(nodes, base)
+    succ = {}
+    for u, v in base:
+        succ.setdefault(u, set()).add(v)
+    return order, succ
+
+
+def _add_edge_and_check(order, succ, u, v):
+    """add_edge refuses u -> v exactly when it closes a cycle of `succ` (kept up to date)."""
+    closes = u == v or _reach(succ, v, u)
+    assert order.add_edge(u, v) == (not closes)
+    if not closes:
+        succ.setdefault(u, set()).add(v)
+
+
+def _check_topological(order, succ):
+    for a, b in itertools.chain.from_iterable(((x, y) for y in ys) for x, ys in succ.items()):
+        assert order.ord[a] < order.ord[b]
+
+
 def test_an_edge_against_the_order_is_added_when_it_closes_no_cycle():
     order = IncrementalOrder("abcd", [("a", "b"), ("c", "d")])
     assert order.add_edge("d", "a")  # against the initial order a b c d, no cycle: reordered
@@ -152,17 +173,10 @@ def test_add_edge_refuses_exactly_the_edges_that_close_a_cycle(case):
     n, initial, added = case
     nodes = [str(i) for i in range(n)]
     base = [(str(min(u, v)), str(max(u, v))) for u, v in initial if u != v]  # a DAG
-    order = IncrementalOrder(nodes, base)
-    succ = {}
-    for u, v in base:
-        succ.setdefault(u, set()).add(v)
+    order, succ = _order_and_successors(nodes, base)
     for u, v in ((str(a), str(b)) for a, b in added):
-        closes = u == v or _reach(succ, v, u)
-        assert order.add_edge(u, v) == (not closes)
-        if not closes:
-            succ.setdefault(u, set()).add(v)
-        for a, b in itertools.chain.from_iterable(((x, y) for y in ys) for x, ys in succ.items()):
-            assert order.ord[a] < order.ord[b]
+        _add_edge_and_check(order, succ, u, v)
+        _check_topological(order, succ)
 
 
 def test_a_new_node_with_its_reader_goes_right_before_it():
@@ -186,10 +200,7 @@ def test_nodes_placed_before_their_readers_keep_the_order_exact(case):
     n, initial, steps = case
     nodes = [str(i) for i in range(n)]
     base = [(str(min(u, v)), str(max(u, v))) for u, v in initial if u != v]
-    order = IncrementalOrder(nodes, base)
-    succ = {}
-    for u, v in base:
-        succ.setdefault(u, set()).add(v)
+    order, succ = _order_and_successors(nodes, base)
     for new_node, a, b in steps:
         if new_node:
             name, src, reader = f"n{len(nodes)}", nodes[a % len(nodes)], nodes[b % len(nodes)]
@@ -197,10 +208,5 @@ def test_nodes_placed_before_their_readers_keep_the_order_exact(case):
             nodes.append(name)
             succ.setdefault(src, set()).add(name)
             continue
-        u, v = nodes[a % len(nodes)], nodes[b % len(nodes)]
-        closes = u == v or _reach(succ, v, u)
-        assert order.add_edge(u, v) == (not closes)
-        if not closes:
-            succ.setdefault(u, set()).add(v)
-    for a, b in itertools.chain.from_iterable(((x, y) for y in ys) for x, ys in succ.items()):
-        assert order.ord[a] < order.ord[b]
+        _add_edge_and_check(order, succ, nodes[a % len(nodes)], nodes[b % len(nodes)])
+    _check_topological(order, succ)
