@@ -21,3 +21,19 @@ def step_parser(doc: str, *, model: str | None = None, batch: int | None = None,
     p.add_argument("--link", default=link)
     p.add_argument("--json", required=True)
     return p
+
+
+def write_stamped(a, fields: dict) -> dict:
+    """`fields` after the stamp every recorded result carries (commit, date, machine) and the step's arguments that
+    `a` has (model, batch, budget_mb, link), written as JSON to `a.json`; returns the whole result."""
+    import json
+    import time
+
+    from capuchin_tf.cli.common import git_commit, machine
+
+    result = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+    result.update({k: getattr(a, k) for k in ("model", "batch", "budget_mb", "link") if hasattr(a, k)})
+    result.update(fields)
+    with open(a.json, "w") as f:
+        json.dump(result, f, indent=1)
+    return result

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
 import time
 
-from probe_common import step_parser
+from probe_common import step_parser, write_stamped
 
 
 def main() -> int:
@@ -30,7 +29,6 @@ def main() -> int:
 
     import capuchin_tf  # noqa: F401  (the allocator wrapper, before TensorFlow's first op)
     from capuchin_tf.cli import models
-    from capuchin_tf.cli.common import git_commit, machine
     from capuchin_tf.frontend import decorator
     from capuchin_tf.runtime import managed_step, recovery
     from capuchin_tf.tf import capture, function_surgery, measure, ops, rewrite
@@ -98,17 +96,13 @@ def main() -> int:
         t0 = time.perf_counter()
         managed(*setup.inputs)
         guided.append(time.perf_counter() - t0)
-    result = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": a.model,
-              "batch": a.batch, "budget_mb": a.budget_mb, "link": a.link, "first_call_s": first_call,
-              "measured_step_s (the report's)": measured, "parts": parts,
-              "passive_calls_after_s": runs, "guided_calls_after_s": guided}
+    result = write_stamped(a, {"first_call_s": first_call, "measured_step_s (the report's)": measured, "parts": parts,
+                               "passive_calls_after_s": runs, "guided_calls_after_s": guided})
     for key, value in result.items():
         if key not in ("machine", "parts"):
             print(f"{key:40s} {value}")
     for key, value in parts.items():
         print(f"  {key:56s} {value:8.3f}")
-    with open(a.json, "w") as f:
-        json.dump(result, f, indent=1)
     return 0
 
 
@@ -116,7 +110,6 @@ def _plain(a) -> int:
     """Plain TensorFlow's first call of the same step (tracing, Grappler, instantiation and the run) and three calls
     after it: what the measured step is compared with."""
     from capuchin_tf.cli import models
-    from capuchin_tf.cli.common import git_commit, machine
 
     setup = models.build(a.model, a.batch)
     calls = []
@@ -124,13 +117,10 @@ def _plain(a) -> int:
         t0 = time.perf_counter()
         setup.train_step(*setup.inputs)
         calls.append(time.perf_counter() - t0)
-    result = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": a.model,
-              "batch": a.batch, "plain": True, "first_call_s": calls[0], "calls_after_s": calls[1:]}
+    result = write_stamped(a, {"plain": True, "first_call_s": calls[0], "calls_after_s": calls[1:]})
     for key, value in result.items():
         if key != "machine":
             print(f"{key:40s} {value}")
-    with open(a.json, "w") as f:
-        json.dump(result, f, indent=1)
     return 0
 
 

@@ -15,10 +15,9 @@ against the guided step before. Prints one line per part and writes them as JSON
 
 from __future__ import annotations
 
-import json
 import time
 
-from probe_common import step_parser
+from probe_common import step_parser, write_stamped
 
 
 def main() -> int:
@@ -30,10 +29,8 @@ def main() -> int:
 
     import capuchin_tf  # noqa: F401  (the allocator wrapper, before TensorFlow's first op)
     from capuchin_tf.cli import models
-    from capuchin_tf.cli.common import git_commit, machine
     from capuchin_tf.frontend import decorator
     from capuchin_tf.policy import make_plan
-    from capuchin_tf.policy.feedback import move_triggers
     from capuchin_tf.tf import function_surgery, rewrite
 
     setup = models.build(a.model, a.batch)
@@ -48,12 +45,12 @@ def main() -> int:
     plan = state.plan
     parts: dict[str, float] = {"guided_call_before_s": calls[-1]}
     if a.background:
-        return _background(a, managed, state, setup, calls, git_commit, machine)
+        return _background(a, managed, state, setup, calls)
 
     t0 = time.perf_counter()
     make_plan(state.trace, state.plan_budget, "capuchin", plan.device, **options.planner_options())
     parts["make_plan_s"] = time.perf_counter() - t0
-    moved = move_triggers(plan, state.trace, earlier={d.tensor: 0.0 for d in plan.swaps if d.in_trigger}, later=set())
+    moved = _earlier_triggers(plan, state.trace)
     dtypes = {t: info[0] for t, info in state.tensor_info.items()}
     shapes = {t: info[1] for t, info in state.tensor_info.items()}
     t0 = time.perf_counter()
@@ -73,35 +70,35 @@ def main() -> int:
         managed(*setup.inputs)
         parts[name] = time.perf_counter() - t0
     parts["plan_change_s"] = parts["install_s"] + parts["first_call_after_s"] - parts["second_call_after_s"]
-    result = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": a.model,
-              "batch": a.batch, "budget_mb": a.budget_mb, "link": a.link, "installed": installed,
-              "swaps": len(plan.swaps), "recomputes": len(plan.recomputes), "graph_nodes": len(graph_def.node),
-              "calls_s": calls, **parts}
+    write_stamped(a, {"installed": installed, "swaps": len(plan.swaps), "recomputes": len(plan.recomputes),
+                      "graph_nodes": len(graph_def.node), "calls_s": calls, **parts})
     for k, v in parts.items():
         print(f"{k:24s} {v:8.3f}")
     print(f"plan change: {parts['plan_change_s']:.2f} s, {parts['plan_change_s'] / parts['second_call_after_s']:.2f}x "
           f"a guided step ({len(graph_def.node)} nodes)")
-    with open(a.json, "w") as f:
-        json.dump(result, f, indent=1)
     return 0
 
 
-def _background(a, managed, state, setup, calls, git_commit, machine) -> int:
+def _earlier_triggers(plan, trace):
+    """The feedback's change for late prefetches: every in-trigger of `plan` moved earlier."""
+    from capuchin_tf.policy.feedback import move_triggers
+
+    return move_triggers(plan, trace, earlier={d.tensor: 0.0 for d in plan.swaps if d.in_trigger}, later=set())
+
+
+def _background(a, managed, state, setup, calls) -> int:
     """The change built in the background: guided steps run while it is built (each marked `building`; after each,
     ManagedStep._take_build, as with the feedback on), then it is taken. Its cost: the time those steps and the
     first step on the new plan took beyond as many guided steps at the median before it (two more guided steps are
     run first for that median)."""
     import statistics
 
-    from capuchin_tf.policy.feedback import move_triggers
-
     for _ in range(2):
         t0 = time.perf_counter()
         managed(*setup.inputs)
         calls.append(time.perf_counter() - t0)
     before = statistics.median(calls[-3:])
-    moved = move_triggers(state.plan, state.trace, earlier={d.tensor: 0.0 for d in state.plan.swaps if d.in_trigger},
-                          later=set())
+    moved = _earlier_triggers(state.plan, state.trace)
     t0 = time.perf_counter()
     installed_now = managed._change(state, moved, state.plan_budget)
     start_s = time.perf_counter() - t0
@@ -116,17 +113,13 @@ def _background(a, managed, state, setup, calls, git_commit, machine) -> int:
         if not building and len(after) >= 2:
             break
     cost = start_s + sum(overlapped) + after[0] - (len(overlapped) + 1) * before
-    result = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": a.model,
-              "batch": a.batch, "budget_mb": a.budget_mb, "link": a.link, "background": True,
-              "installed_at_once": installed_now, "taken": state.plan is moved, "calls_s": calls,
-              "guided_median_before_s": before, "start_s": start_s, "overlapped_steps_s": overlapped,
-              "steps_after_s": after, "plan_change_s": cost}
+    result = write_stamped(a, {"background": True, "installed_at_once": installed_now, "taken": state.plan is moved,
+                               "calls_s": calls, "guided_median_before_s": before, "start_s": start_s,
+                               "overlapped_steps_s": overlapped, "steps_after_s": after, "plan_change_s": cost})
     for k in ("guided_median_before_s", "start_s", "overlapped_steps_s", "steps_after_s", "taken"):
         print(f"{k:24s} {result[k]}")
     print(f"plan change in the background: {cost:.2f} s beyond {len(overlapped) + 1} guided steps, "
           f"{cost / before:.2f}x a guided step")
-    with open(a.json, "w") as f:
-        json.dump(result, f, indent=1)
     return 0
 
 
