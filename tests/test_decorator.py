@@ -4,6 +4,7 @@ that plain TensorFlow cannot fit, with plain TensorFlow's numbers bit for bit (e
 
 import functools
 import hashlib
+import statistics
 
 import numpy as np
 import pytest
@@ -82,6 +83,8 @@ try:
         result["report"] = {{k: v for k, v in report.items() if k != "steps"}}
         result["peaks"] = [s["peak_bytes"] for s in report["steps"]]
         result["phases"] = [s["phase"] for s in report["steps"]]
+        result["evicted"] = [s["passive_evicted_bytes"] for s in report["steps"]]
+        result["changed"] = [bool(s["plan_changed"] or s["retried"]) for s in report["steps"]]
     result["losses"] = [float.hex(float(x)) for x in losses]
 except tf.errors.ResourceExhaustedError as e:
     result["oom"] = "OOM when allocating" in str(e)
@@ -129,6 +132,12 @@ def test_trains_under_a_budget_plain_tensorflow_cannot_fit_bit_for_bit(simulated
     assert result["phases"][0] == "measured" and set(result["phases"][1:]) == {"guided"}
     assert max(result["peaks"]) <= BUDGET_MB * MiB
     assert_plan_fits_policy(policy, result["report"])
+    # The running plan's prediction moves on demand what its own guided steps evicted (their median).
+    last = max((i for i, c in enumerate(result["changed"]) if c), default=0)
+    ran = result["evicted"][last + 1:]
+    prediction = result["report"]["prediction"]
+    assert prediction["on_demand_from"] == "measured", prediction
+    assert prediction["on_demand_bytes"] == int(statistics.median(ran)), (prediction, result["evicted"])
 
 
 CLOCKED = """

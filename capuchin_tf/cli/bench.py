@@ -446,6 +446,10 @@ def against_prediction(plain: dict, managed: dict) -> dict:
         "prediction_timed_over": timed,
         "measured_step_ratio": step_s / plain_s,
         "predicted_step_ratio": prediction["predicted_step_ratio"],
+        # the simulator's step alone, and the bytes moved on demand that the prediction adds (Plan.prediction)
+        "simulated_step_ratio": prediction.get("simulated_step_ratio"),
+        "on_demand_bytes": prediction.get("on_demand_bytes"),
+        "on_demand_from": prediction.get("on_demand_from"),
         "predicted_step_s": predicted_s,
         "step_prediction_error": step_s / predicted_s - 1.0,
         "lower_bound_ratio": prediction["lower_bound_ratio"],
@@ -459,7 +463,11 @@ def against_prediction(plain: dict, managed: dict) -> dict:
 
 def prediction_line(c: dict) -> str:
     """One line of `against_prediction`'s figures."""
-    line = (f"step {c['measured_step_ratio']:.2f}x plain (predicted {c['predicted_step_ratio']:.2f}x, "
+    moved = ""
+    if c.get("on_demand_bytes"):
+        moved = (f", with {c['on_demand_bytes'] / MiB:.1f} MiB a step moved on demand ({c['on_demand_from']}; "
+                 f"the simulator alone {c['simulated_step_ratio']:.2f}x)")
+    line = (f"step {c['measured_step_ratio']:.2f}x plain (predicted {c['predicted_step_ratio']:.2f}x{moved}, "
             f"{c['step_prediction_error'] * 100:+.0f}%; lower bound {c['lower_bound_ratio']:.2f}x, measured "
             f"{c['overhead_vs_lower_bound']:.2f}x the bound)")
     if c["settled_peak_bytes"]:

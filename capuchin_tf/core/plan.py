@@ -267,7 +267,8 @@ class Plan:
         """Predicted step time over the trace's step time, minus 1 (0.05 = 5% slower)."""
         return self.predicted_step_s / self.trace_step_s - 1.0 if self.trace_step_s > 0 else 0.0
 
-    def prediction(self, lower_bound_s: float | None = None, net_budget_bytes: int | None = None) -> dict:
+    def prediction(self, lower_bound_s: float | None = None, net_budget_bytes: int | None = None,
+                   evicted_on_demand_bytes: int | None = None) -> dict:
         """What the planner predicts of a step under this plan, as ratios of the trace's step (which stands for the
         plain step): the simulated step and peak, and `lower_bound_s` (simulator.lower_bound_s) when given. A
         benchmark multiplies the ratios by the plain step it measured and sets them beside the measured ones.
@@ -276,16 +277,26 @@ class Plan:
         demand (the runtime's pool). A plan predicted over it then moves at least the excess out and back on demand
         each step, in the step's path (the allocation waits for the eviction, the reader for the copy back): that
         time is added (`predicted_on_demand_s`, a lower estimate: each excess byte once each way), and the peak is
-        the budget. Without a net such a plan runs out of memory; the figures are then the simulator's alone."""
+        the budget. Without a net such a plan runs out of memory; the figures are then the simulator's alone.
+
+        `evicted_on_demand_bytes`: what the plan's own guided steps were measured to evict on demand a step (their
+        median), where they ran: it replaces the predicted excess as the bytes moved on demand. The simulator counts
+        bytes; the allocator also needs them in one piece, and on a device of the budget's size the free memory is
+        split (docs/decisions.md, "A running plan's prediction learns its copies on demand"). `on_demand_from` says
+        which; `simulated_step_ratio` is the simulator's step alone."""
         trace = self.trace_step_s
         excess = max(self.predicted_peak_bytes - net_budget_bytes, 0) if net_budget_bytes else 0
-        on_demand_s = (self.device.swap_out_time(excess) + self.device.swap_in_time(excess)) if excess else 0.0
+        moved = excess if evicted_on_demand_bytes is None else max(int(evicted_on_demand_bytes), 0)
+        on_demand_s = (self.device.swap_out_time(moved) + self.device.swap_in_time(moved)) if moved else 0.0
         return {
             "predicted_step_ratio": (self.predicted_step_s + on_demand_s) / trace if trace > 0 else None,
+            "simulated_step_ratio": self.predicted_step_s / trace if trace > 0 else None,
             "lower_bound_ratio": lower_bound_s / trace if trace > 0 and lower_bound_s is not None else None,
             "predicted_peak_bytes": self.predicted_peak_bytes - excess,
             "predicted_over_budget_bytes": excess,
             "predicted_on_demand_s": on_demand_s,
+            "on_demand_bytes": moved,
+            "on_demand_from": "predicted" if evicted_on_demand_bytes is None else "measured",
             "predicted_stall_s": self.predicted_stall_s,
             "predicted_recompute_s": self.predicted_recompute_s,
             "trace_step_s": trace,

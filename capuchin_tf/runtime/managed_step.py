@@ -245,21 +245,27 @@ class ManagedStep:
 
     def _prediction(self, st: SignatureState) -> dict:
         """The running plan's prediction (Plan.prediction), on the signature's trace: a plan made before the trace
-        was re-timed (_retime) is simulated again on it, with the link model of its clock."""
+        was re-timed (_retime) is simulated again on it, with the link model of its clock. Where the plan's guided
+        steps have run, the bytes they evicted on demand (their median) are the bytes it moves on demand."""
         plan, trace = st.plan, st.trace
         net = (self.options.budget_bytes or st.plan_budget) if self.safety_net else None  # what the pool keeps to
+        ran = ([r for r in st.history[-st.steps_since_change:] if r.phase == "guided"]
+               if st.steps_since_change >= 1 else [])
+        evicted = int(statistics.median(r.passive_evicted_bytes for r in ran)) if ran and self.safety_net else None
         if plan.trace_step_s == trace.step_time or trace.step_time <= 0:
-            return plan.prediction(lower_bound_s(trace, plan), net_budget_bytes=net)
+            return plan.prediction(lower_bound_s(trace, plan), net_budget_bytes=net, evicted_on_demand_bytes=evicted)
         try:
             plan = dataclasses.replace(plan, device=DeviceModel.from_link(self.options.link, trace))
             sim = simulate(trace, plan)
         except Exception as e:  # noqa: BLE001  (a report never fails: the plan's own prediction, and why)
-            return {**st.plan.prediction(lower_bound_s(trace, st.plan), net_budget_bytes=net),
+            return {**st.plan.prediction(lower_bound_s(trace, st.plan), net_budget_bytes=net,
+                                         evicted_on_demand_bytes=evicted),
                     "on_retimed_trace": False, "retimed_error": f"{type(e).__name__}: {e}"}
         out = dataclasses.replace(plan, predicted_step_s=sim.step_time, trace_step_s=trace.step_time,
                                   predicted_peak_bytes=sim.peak_bytes + plan.margin_bytes,
                                   predicted_stall_s=sim.stall_s, predicted_recompute_s=sim.recompute_s,
-                                  ).prediction(lower_bound_s(trace, plan), net_budget_bytes=net)
+                                  ).prediction(lower_bound_s(trace, plan), net_budget_bytes=net,
+                                               evicted_on_demand_bytes=evicted)
         return {**out, "on_retimed_trace": True}
 
     def __call__(self, *args, **kwargs):

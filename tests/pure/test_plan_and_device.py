@@ -101,3 +101,24 @@ def test_a_plan_over_its_budget_is_predicted_with_the_excess_moved_on_demand_whe
     assert netted["predicted_step_ratio"] == pytest.approx(bare["predicted_step_ratio"] + moved / plan.trace_step_s)
     # A plan within the net's budget is predicted as the simulator says.
     assert plan.prediction(net_budget_bytes=plan.predicted_peak_bytes) == bare
+
+
+def test_a_running_plan_is_predicted_with_the_bytes_its_steps_evicted_on_demand(plan):
+    # Where the plan's guided steps ran, the bytes they were measured to evict on demand are the bytes it moves: more
+    # than the predicted excess where the free memory was split (a plan predicted within the budget that evicts),
+    # less where the simulator's peak was high; the simulator's own step stays beside it.
+    budget = plan.predicted_peak_bytes
+    fits = plan.prediction(net_budget_bytes=budget)
+    learned = plan.prediction(net_budget_bytes=budget, evicted_on_demand_bytes=16 << 20)
+    moved = plan.device.swap_out_time(16 << 20) + plan.device.swap_in_time(16 << 20)
+    assert fits["on_demand_from"] == "predicted" and fits["on_demand_bytes"] == 0
+    assert learned["on_demand_from"] == "measured" and learned["on_demand_bytes"] == 16 << 20
+    assert learned["predicted_on_demand_s"] == pytest.approx(moved)
+    assert learned["predicted_step_ratio"] == pytest.approx(fits["predicted_step_ratio"] + moved / plan.trace_step_s)
+    assert learned["simulated_step_ratio"] == fits["simulated_step_ratio"] == fits["predicted_step_ratio"]
+    assert learned["predicted_peak_bytes"] == fits["predicted_peak_bytes"]  # the peak stays the simulator's
+    over = plan.prediction(net_budget_bytes=budget - (8 << 20), evicted_on_demand_bytes=2 << 20)
+    assert over["predicted_over_budget_bytes"] == 8 << 20 and over["on_demand_bytes"] == 2 << 20
+    assert over["predicted_on_demand_s"] == pytest.approx(plan.device.swap_out_time(2 << 20)
+                                                          + plan.device.swap_in_time(2 << 20))
+    assert plan.prediction(net_budget_bytes=budget, evicted_on_demand_bytes=0)["predicted_on_demand_s"] == 0
