@@ -249,8 +249,7 @@ class ManagedStep:
         steps have run, the bytes they evicted on demand (their median) are the bytes it moves on demand."""
         plan, trace = st.plan, st.trace
         net = (self.options.budget_bytes or st.plan_budget) if self.safety_net else None  # what the pool keeps to
-        ran = ([r for r in st.history[-st.steps_since_change:] if r.phase == "guided"]
-               if st.steps_since_change >= 1 else [])
+        ran = self._plan_steps(st)
         evicted = int(statistics.median(r.passive_evicted_bytes for r in ran)) if ran and self.safety_net else None
         if plan.trace_step_s == trace.step_time or trace.step_time <= 0:
             return plan.prediction(lower_bound_s(trace, plan), net_budget_bytes=net, evicted_on_demand_bytes=evicted)
@@ -1154,12 +1153,18 @@ class ManagedStep:
         return then(job()) or None
 
     @staticmethod
+    def _plan_steps(state: SignatureState) -> list[StepRecord]:
+        """The guided steps the running plan ran (after the one that changed it)."""
+        if state.steps_since_change < 1:
+            return []
+        return [r for r in state.history[-state.steps_since_change:] if r.phase == "guided"]
+
+    @staticmethod
     def _incumbent(state: SignatureState, record: StepRecord) -> tuple[float, float]:
         """The median of the running plan's last three guided steps after the one that instantiated it, those that
         ran beside a build only if no other did (`record` when there are none), and the median of what they waited for
         copies on demand."""
-        ran = ([r for r in state.history[-state.steps_since_change:] if r.phase == "guided"]
-               if state.steps_since_change >= 1 else [])
+        ran = ManagedStep._plan_steps(state)
         ran = ([r for r in ran if not r.building] or ran or [record])[-3:]
         return (statistics.median([r.seconds for r in ran]),
                 statistics.median([on_demand_s(r.waited_s) for r in ran]))
