@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 from capuchin_tf.cli import main, suite
-from capuchin_tf.cli.bench import against_prediction
+from capuchin_tf.cli.bench import against_prediction, plan_step_indices, prediction_line
 from capuchin_tf.core.budget import MiB
 
 
@@ -48,6 +48,28 @@ def test_the_measured_step_beside_the_prediction_and_the_lower_bound():
     assert c["prediction_timed_over"] == "after the measured step"
     assert c["measured_step_ratio"] == pytest.approx(2.0) and c["settled_peak_bytes"] == 120 * MiB
     assert against_prediction(*_runs(1.5, 2.0, [1], None)) == {}  # plain TensorFlow, or no plan
+    # too few settled steps but the running plan's own: those, and the highest of their peaks
+    plain, managed = _runs(None, 2.0, [300 * MiB, 120 * MiB, 110 * MiB], PREDICTION)
+    c = against_prediction(plain, {**managed, "plan_median_step_s": 1.3, "plan_peak_bytes": 105 * MiB})
+    assert c["prediction_timed_over"] == "the plan's own steps"
+    assert c["measured_step_ratio"] == pytest.approx(1.3) and c["settled_peak_bytes"] == 105 * MiB
+    # the plan predicted never ran (changed at the last step): the prediction, and nothing measured beside it
+    c = against_prediction(plain, {**managed, "predicted_plan_ran": False})
+    assert c["prediction_timed_over"] == "none: the plan predicted never ran"
+    assert c["predicted_step_ratio"] == 1.25 and "measured_step_ratio" not in c and "step_prediction_error" not in c
+    assert prediction_line(c) == "step predicted 1.25x plain (lower bound 1.10x)"
+
+
+def test_the_plans_own_steps_leave_out_its_instantiation_the_steps_beside_a_build_and_earlier_plans():
+    def record(phase="guided", changed=False, retried=0, building=False):
+        return {"phase": phase, "plan_changed": changed, "retried": retried, "building": building}
+
+    steps = [record("measured"), record(), record(building=True), record(), record(changed=True), record(), record(),
+             record(building=True), record()]
+    assert plan_step_indices(steps) == [6, 8]
+    assert plan_step_indices(steps[:5]) == []  # the plan changed at the last step: none of its steps ran
+    assert plan_step_indices([record("measured"), record(), record(), record("passive")]) == [2]
+    assert plan_step_indices([record("measured"), record(), record(retried=1), record(), record()]) == [4]
 
 
 def _row(policy, equal=True, swapped=0, recomputed=0, **kw):

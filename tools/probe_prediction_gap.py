@@ -149,6 +149,27 @@ def main() -> int:
           f"{(worst['measured_bytes'] - worst['simulated_bytes']) / 2**20:+.1f} MiB; buffers alive there:")
     for x in live_at_worst:
         print(f"  {x['bytes'] / 2**20:6.2f} MiB  {x['op']} ({x['region']})")
+    # The simulator's buffers alive at the same op (its events: +/- bytes per tensor), of at least 1 MiB, by the op
+    # that produced them, beside the measured ones: which tensors make the gap.
+    t_sim = sim.op_start[worst["pos"]]
+    sim_live: dict[str, int] = {}
+    for t, delta, tensor in sorted(sim.events, key=lambda e: e[0]):
+        if t > t_sim:
+            break
+        sim_live[tensor] = sim_live.get(tensor, 0) + delta
+    sim_big = {k: v for k, v in sim_live.items() if v >= 2**20}
+    sim_ops = {k.rsplit(":", 1)[0]: v for k, v in sim_big.items()}
+    meas_ops: dict[str, int] = {}
+    for x in live_at_worst:
+        meas_ops[x["op"]] = meas_ops.get(x["op"], 0) + x["bytes"]
+    only_measured = sorted(((b, o) for o, b in meas_ops.items() if o not in sim_ops), reverse=True)
+    only_simulated = sorted(((b, o) for o, b in sim_ops.items() if o not in meas_ops), reverse=True)
+    print(f"alive there (>= 1 MiB), measured only: {sum(b for b, _ in only_measured) / 2**20:.1f} MiB; simulated only: "
+          f"{sum(b for b, _ in only_simulated) / 2**20:.1f} MiB")
+    for b, o in only_measured:
+        print(f"  measured only  {b / 2**20:6.2f} MiB  {o}")
+    for b, o in only_simulated:
+        print(f"  simulated only {b / 2**20:6.2f} MiB  {o}")
     evictions = eviction_lags(plan, trace, sim, kernels, memory, started)
     late = [e for e in evictions if e["measured_free_pos"] is not None and e["lag_ops"] > 0]
     print(f"evicted tensors whose device buffer was freed later than simulated: {len(late)} of {len(evictions)}, "
@@ -164,6 +185,8 @@ def main() -> int:
               "predicted_extent_bytes": predicted.extent, "predicted_large_live_peak_bytes": predicted.live_peak,
               "swapped_tensors": len(plan.swaps), "recomputed_tensors": len(plan.recomputes),
               "largest_gap_op": worst["op"], "live_at_largest_gap": live_at_worst, "evictions": evictions,
+              "measured_only_at_largest_gap": [{"op": o, "bytes": b} for b, o in only_measured],
+              "simulated_only_at_largest_gap": [{"op": o, "bytes": b} for b, o in only_simulated],
               "rows": rows}
     with open(a.json, "w") as f:
         json.dump(result, f, indent=1)

@@ -139,7 +139,8 @@ def _run_worker(a: argparse.Namespace) -> int:
         "step_peak_bytes": [], "step_s": [], "phases": [], "late_prefetches": [], "retries": [], "losses": [],
         "median_step_s": None, "samples_per_s": None, "swapped_tensors": 0, "swapped_bytes": 0,
         "recomputed_tensors": 0, "recomputed_bytes": 0, "replans": 0, "settled": None, "report": None,
-        "settled_steps": 0, "settled_median_step_s": None, "settled_peak_bytes": None, "error_type": None,
+        "settled_steps": 0, "settled_median_step_s": None, "settled_peak_bytes": None, "plan_steps": 0,
+        "plan_median_step_s": None, "plan_peak_bytes": None, "predicted_plan_ran": None, "error_type": None,
         "error_traceback": None,
         "capuchin_error": None, "capuchin_warnings": capuchin_warnings,
     }
@@ -234,6 +235,15 @@ def _run_worker(a: argparse.Namespace) -> int:
         result["settled_steps"] = len(after)
         result["settled_median_step_s"] = statistics.median(after) if len(after) >= 3 else None
         result["settled_peak_bytes"] = max(result["step_peak_bytes"][first:], default=None)
+        # The running plan's own steps: after its change (less the one that instantiated it), none beside a build
+        # (StepRecord.building: no measurement of its plan); what against_prediction sets beside the plan's prediction
+        # where the run has too few settled steps.
+        own = plan_step_indices(steps)
+        # Whether any step ran the plan the report predicts (a plan changed at the last step never ran).
+        result["predicted_plan_ran"] = not (steps and (steps[-1]["plan_changed"] or steps[-1]["phase"] == "measured"))
+        result["plan_steps"] = len(own)
+        result["plan_median_step_s"] = statistics.median(result["step_s"][i] for i in own) if len(own) >= 2 else None
+        result["plan_peak_bytes"] = max((result["step_peak_bytes"][i] for i in own), default=None)
     elif len(result["step_s"]) >= 4:
         result["settled_steps"] = len(result["step_s"]) - 1
         result["settled_median_step_s"] = statistics.median(result["step_s"][1:])
@@ -426,22 +436,44 @@ def timing(plain: dict, managed: dict) -> dict:
             **against_prediction(plain, managed)}
 
 
+def plan_step_indices(steps: list[dict]) -> list[int]:
+    """Positions, in a report's step records, of the running plan's own steps: guided, after the step that changed
+    the plan (or was retried, or measured) less the one after it (it instantiated the plan), none beside a build."""
+    last = max((i for i, r in enumerate(steps) if r["plan_changed"] or r["retried"] or r["phase"] == "measured"),
+               default=-1)
+    return [i for i in range(last + 2, len(steps)) if steps[i]["phase"] == "guided" and not steps[i].get("building")]
+
+
 def against_prediction(plain: dict, managed: dict) -> dict:
     """The policy's settled step and peak beside what its planner predicted (the plan's ratios of the trace's step,
     times plain TensorFlow's settled step measured in the same run), and beside the plan's lower bound
     (simulator.lower_bound_s): `overhead_vs_lower_bound` is what the schedule and the implementation cost beyond what
-    the decisions must. Timed over the settled steps, or where there are too few of them, over every step after the
-    measured one (`prediction_timed_over`). Empty for plain TensorFlow."""
+    the decisions must. Timed over the settled steps; where there are too few of them, over the running plan's own
+    steps (`plan_median_step_s`: none beside a build, at least 2), else over every step after the measured one
+    (`prediction_timed_over`); where the plan predicted never ran (changed at the last step), the prediction alone.
+    Empty for plain TensorFlow."""
     prediction = (managed.get("report") or {}).get("prediction")
-    timed = "settled" if managed.get("settled_median_step_s") else "after the measured step"
-    key = "settled_median_step_s" if timed == "settled" else "median_step_s"
-    plain_s, step_s = plain.get(key), managed.get(key)
+    if prediction and managed.get("predicted_plan_ran") is False:
+        # No step ran the plan predicted: nothing measured to set beside it.
+        return {"prediction_timed_over": "none: the plan predicted never ran",
+                "predicted_step_ratio": prediction["predicted_step_ratio"],
+                "simulated_step_ratio": prediction.get("simulated_step_ratio"),
+                "lower_bound_ratio": prediction["lower_bound_ratio"],
+                "predicted_peak_bytes": prediction["predicted_peak_bytes"]}
+    if managed.get("settled_median_step_s"):
+        timed, key, plain_key, peak = ("settled", "settled_median_step_s", "settled_median_step_s",
+                                       managed.get("settled_peak_bytes"))
+    elif managed.get("plan_median_step_s"):
+        timed, key, plain_key, peak = ("the plan's own steps", "plan_median_step_s", "settled_median_step_s",
+                                       managed.get("plan_peak_bytes"))
+    else:
+        timed, key, plain_key, peak = ("after the measured step", "median_step_s", "median_step_s",
+                                       max(managed.get("step_peak_bytes", [])[1:], default=None))
+    plain_s, step_s = plain.get(plain_key), managed.get(key)
     if not prediction or not plain_s or not step_s:
         return {}
     predicted_s = plain_s * prediction["predicted_step_ratio"]
     bound_s = plain_s * prediction["lower_bound_ratio"]
-    peak = (managed.get("settled_peak_bytes") if timed == "settled"
-            else max(managed.get("step_peak_bytes", [])[1:], default=None))
     return {
         "prediction_timed_over": timed,
         "measured_step_ratio": step_s / plain_s,
@@ -463,6 +495,8 @@ def against_prediction(plain: dict, managed: dict) -> dict:
 
 def prediction_line(c: dict) -> str:
     """One line of `against_prediction`'s figures."""
+    if "step_prediction_error" not in c:  # no step ran the plan predicted
+        return f"step predicted {c['predicted_step_ratio']:.2f}x plain (lower bound {c['lower_bound_ratio']:.2f}x)"
     moved = ""
     if c.get("on_demand_bytes"):
         moved = (f", with {c['on_demand_bytes'] / MiB:.1f} MiB a step moved on demand ({c['on_demand_from']}; "

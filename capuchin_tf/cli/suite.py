@@ -308,10 +308,11 @@ def markdown(data: dict) -> str:
                   "",
                   "Throughput against plain TensorFlow (enough memory, same run): over every step after the measured "
                   "one, and over the settled steps (after the last plan change, less the first). Step ratios: the "
-                  "measured one, the planner's prediction, and the plan's lower bound (docs/results.md). The "
-                  "prediction adds to the simulator's step the copies of the bytes the plan's guided steps evicted on "
-                  "demand (measured; predicted before any ran): in brackets, the simulator's step alone where they "
-                  "differ.",
+                  "measured one (settled; with too few settled steps, the running plan's own steps, none beside a "
+                  "build; else every step after the measured one), the planner's prediction for the running plan, and "
+                  "its lower bound (docs/results.md). The prediction adds to the simulator's step the copies of the "
+                  "bytes the plan's guided steps evicted on demand (measured; predicted before any ran): in brackets, "
+                  "the simulator's step alone where they differ.",
                   "",
                   "| model | batch | policy | budget MiB | bit for bit | every step guided | throughput: guided / "
                   "settled | step vs plain: measured / predicted / lower bound | measured / bound | peak MiB "
