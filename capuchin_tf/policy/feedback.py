@@ -153,16 +153,23 @@ def wants_trial(waited: Mapping[str, float], seconds: float) -> bool:
     return seconds > 0 and on_demand_s(waited) >= TRIAL_FRACTION * seconds
 
 
-def trial_candidate(plan: Plan, budget: int, evicted_on_demand: int = 0) -> bool:
+def trial_candidate(plan: Plan, budget: int, evicted_on_demand: int = 0, running: Plan | None = None) -> bool:
     """Whether a trial policy's `plan` may be tried under `budget`: nothing unreachable, and predicted within the
     budget, or over it by less than `evicted_on_demand` (the least any step of the running plan evicted on demand:
     the running plan already needs that much beyond the device every step, and its steps survive it) and by at most
     TRIAL_PEAK_SLACK of the budget (the cnn b128 at 117 MiB, p100: swap-only predicted 0.2 MiB over, its baseline
-    0.607 s a step with 12 MiB on demand, against capuchin's hybrid at 0.72 s with 16-32 MiB)."""
+    0.607 s a step with 12 MiB on demand, against capuchin's hybrid at 0.72 s with 16-32 MiB), and then, given the
+    `running` plan, placed no higher than it: the evidence is for the device the running plan needs, not more
+    (dropout-bn b128 at 102 MiB, p100: the checkpoint plan, 0.5 MiB over and placed at 102.5 MiB against the running
+    plan's 97.5, ran out of memory in each of five suites)."""
     if plan.unreachable_op is not None:
         return False
     over = plan.predicted_peak_bytes - int(budget)
-    return over <= 0 or (over < int(evicted_on_demand) and over <= TRIAL_PEAK_SLACK * budget)
+    if over <= 0:
+        return True
+    if running is not None and plan.predicted_placed_peak_bytes > running.predicted_placed_peak_bytes:
+        return False
+    return over < int(evicted_on_demand) and over <= TRIAL_PEAK_SLACK * budget
 
 
 def trial_expected_s(trial_cost_s: float, incumbent_cost_s: float, incumbent_s: float) -> float:

@@ -1092,12 +1092,14 @@ class ManagedStep:
                     tried[name] = f"not tried: {type(e).__name__}: {e}"
                     continue
                 fits = (margin_candidate(plan, running, plan_budget) if name == LEARNED_MARGIN
-                        else trial_candidate(plan, plan_budget, least_evicted))
+                        else trial_candidate(plan, plan_budget, least_evicted, running))
                 if not fits:
                     tried[name] = (f"not tried: op {plan.unreachable_op!r} does not fit"
                                    if plan.unreachable_op is not None else
                                    f"not tried: predicted peak {plan.predicted_peak_bytes} bytes for a budget of "
-                                   f"{plan_budget} (the running plan's steps evicted {least_evicted} bytes on demand)"
+                                   f"{plan_budget} (the running plan's steps evicted {least_evicted} bytes on demand; "
+                                   f"placed at {plan.predicted_placed_peak_bytes} bytes against the running plan's "
+                                   f"{running.predicted_placed_peak_bytes})"
                                    if plan.predicted_peak_bytes > plan_budget else
                                    f"not tried: placed at {plan.predicted_placed_peak_bytes} bytes, not below the "
                                    f"running plan's {running.predicted_placed_peak_bytes}")

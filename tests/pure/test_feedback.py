@@ -200,6 +200,11 @@ def test_measured_arbitration_opens_a_trial_only_for_waits_on_demand_of_a_share_
     assert trial_candidate(PLAN, under, evicted_on_demand=over + 1)
     far = int(budget / (1 + TRIAL_PEAK_SLACK) * 0.99)
     assert not trial_candidate(PLAN, far, evicted_on_demand=budget)
+    # and, over the budget, placed no higher than the running plan (the device the evidence is for)
+    placed_lower = dataclasses.replace(PLAN, predicted_peak_bytes=PLAN.predicted_peak_bytes - (4 << 20))
+    assert trial_candidate(PLAN, under, evicted_on_demand=over + 1, running=PLAN)
+    assert not trial_candidate(PLAN, under, evicted_on_demand=over + 1, running=placed_lower)
+    assert trial_candidate(PLAN, budget, running=placed_lower)  # within the budget: no bar
     assert trial_keeps(1.0, [TRIAL_KEEP, TRIAL_KEEP])
     assert not trial_keeps(1.0, [TRIAL_KEEP + 0.01, TRIAL_KEEP + 0.01])
     assert trial_keeps(1.0, [0.5, 0.9, 5.0])  # the median: one slow step does not decide
