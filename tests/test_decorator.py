@@ -625,7 +625,7 @@ feedback.TRIAL_FRACTION = {fraction}  # 0: any settled guided step opens the tri
 feedback.TRIAL_PREDICTION_SLACK = float("inf")  # and every candidate is tried, whatever its predicted time
 # and peak (the allocator holds the budget; one that fails is dropped)
 from capuchin_tf.runtime import managed_step
-managed_step.trial_candidate = lambda plan, budget, evicted_on_demand=0: plan.unreachable_op is None
+managed_step.trial_candidate = lambda plan, budget, evicted_on_demand=0, running=None: plan.unreachable_op is None
 # and the margin is made with a learned placement error of 32 MiB (above the prior, the 20 MiB logits) whatever the
 # steps evicted on demand
 managed_step.placement_error = lambda plan, budget, evicted: 32 << 20
