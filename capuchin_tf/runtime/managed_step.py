@@ -724,10 +724,10 @@ class ManagedStep:
             ops.drain_stalls()
             tf.config.experimental.reset_memory_stats(DEVICE)
             # The first guided step that runs a plan and no trial runs under the profiler: its kernel times re-time
-            # the trace (ManagedStep._retime).
+            # the trace (ManagedStep._retime). An attempt that runs out of memory re-times nothing (its retry runs
+            # unprofiled): the next guided step is profiled instead.
             profile = (state.fn is not None and self.options.feedback and not state.retimed and state.trial is None
                        and not retried)
-            state.retimed = state.retimed or profile
             t0 = time.perf_counter()
             try:
                 with self._budget(plain=state.fn is None):
@@ -830,6 +830,7 @@ class ManagedStep:
                 record.layout_bytes = layout_before["region_bytes"] if with_region else 0
                 record.layout_misses = layout_after["step_misses"]
             if profile:  # (an attempt that ran out of memory was retried unprofiled: `profile` is that attempt's)
+                state.retimed = True
                 record.retimed = self._retime(state, kernels, clock_offset, drained)
             state.history.append(record)
             waited = stalls.waited_s

@@ -86,7 +86,8 @@ class SignatureState:
     # What guided steps were measured to need beyond their plan's predicted placement (feedback.placement_error): the
     # largest seen; the learned margin's plan is made with it.
     placement_error: int = 0
-    # The trace took its ops' kernel times from a profiled guided step (ManagedStep._retime): attempted once.
+    # The trace took its ops' kernel times from a profiled guided step (ManagedStep._retime): attempted once, on the
+    # first guided step that completes its profiled attempt.
     retimed: bool = False
     build: Any = None  # a plan change under way off the critical path (managed_step.Build), or None
 
