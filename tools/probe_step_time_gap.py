@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 
 from probe_common import step_parser, write_stamped
@@ -94,8 +95,8 @@ def main() -> int:
             out.append(time.perf_counter() - t0)
         return out
 
-    plain_fn = tf.function(setup.train_step.python_function if hasattr(setup.train_step, "python_function")
-                           else setup.train_step, input_signature=setup.input_spec, jit_compile=False)
+    # plain TensorFlow's own function of the same step (setup.train_step is the one the managed step wraps)
+    plain_fn = tf.function(setup.train_step.python_function, input_signature=setup.input_spec, jit_compile=False)
     plain = lambda: plain_fn(*setup.inputs)  # noqa: E731
     if a.plain_json:
         with open(a.plain_json) as f:
@@ -160,7 +161,7 @@ def main() -> int:
         "trace_step_s": state.trace.step_time, "predicted_step_s": sim.step_time,
         "predicted_recompute_s": sim.recompute_s, "predicted_stall_s": sim.stall_s,
         "recomputed_tensors": report["recomputed_tensors"], "swapped_tensors": report["swapped_tensors"],
-        "command": "tools/probe_step_time_gap.py " + " ".join(__import__("sys").argv[1:]),
+        "command": "tools/probe_step_time_gap.py " + " ".join(sys.argv[1:]),
     }
     write_stamped(a, fields)
     med = statistics.median
