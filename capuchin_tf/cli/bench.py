@@ -41,6 +41,7 @@ Budgets are MiB (2^20 bytes); a user mistake is exit code 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -48,7 +49,16 @@ import statistics
 import sys
 
 from capuchin_tf.cli import host_store_bench, planner_bench
-from capuchin_tf.cli.common import SIZE_HELP, CliError, git_commit, machine, register_subcommand, run_worker, whole_mib
+from capuchin_tf.cli.common import (
+    SIZE_HELP,
+    CliError,
+    git_commit,
+    machine,
+    register_subcommand,
+    run_worker,
+    steal_s,
+    whole_mib,
+)
 from capuchin_tf.core.budget import MiB, fraction_budget_mb
 from capuchin_tf.core.device_model import LINK_NAMES
 from capuchin_tf.tf.simulated_device import DEVICE
@@ -68,7 +78,8 @@ def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="p100: a plain step's time, which fixes the emulated link's rate (Options.link_clock_s)")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--result", required=True)
-    p.add_argument("--curve", help="write the last step's device-memory curve (JSON [[s, bytes], ...]) there")
+    p.add_argument("--curve", help="write the last step's device-memory curve (JSON [[s, bytes], ...]) there (that "
+                                   "step, under a memory callback, is left out of the medians)")
     p.add_argument("--stop-on-rescue", action="store_true",
                    help="stop at the first step that passive mode had to rescue (maxbatch: that batch does not run)")
     p.add_argument("--device-mb", type=whole_mib, default=None,
@@ -136,7 +147,8 @@ def _run_worker(a: argparse.Namespace) -> int:
         "device_limit_bytes": int(capuchin_tf.allocator_stats()["bytes_limit"]), "tf_version": tf.__version__,
         "capuchin_tf_version": capuchin_tf.__version__, "date": datetime.date.today().isoformat(),
         "machine": machine(), "ok": True, "error": None, "persistent_bytes": None, "peak_bytes": None,
-        "step_peak_bytes": [], "step_s": [], "phases": [], "late_prefetches": [], "retries": [], "losses": [],
+        "step_peak_bytes": [], "step_s": [], "step_steal_s": [], "steal_share": None, "curve_step": None,
+        "phases": [], "late_prefetches": [], "retries": [], "losses": [],
         "median_step_s": None, "samples_per_s": None, "swapped_tensors": 0, "swapped_bytes": 0,
         "recomputed_tensors": 0, "recomputed_bytes": 0, "replans": 0, "settled": None, "report": None,
         "settled_steps": 0, "settled_median_step_s": None, "settled_peak_bytes": None, "plan_steps": 0,
@@ -191,6 +203,7 @@ def _run_worker(a: argparse.Namespace) -> int:
     try:
         for i in range(a.steps):
             tf.config.experimental.reset_memory_stats(DEVICE)
+            stolen = steal_s()
             t0 = time.perf_counter()
             if a.curve and i == a.steps - 1:
                 from capuchin_tf.tf.measure import memory_curve
@@ -200,6 +213,8 @@ def _run_worker(a: argparse.Namespace) -> int:
             else:
                 loss = step(*setup.inputs)
             seconds = time.perf_counter() - t0
+            if stolen is not None:
+                result["step_steal_s"].append(steal_s() - stolen)
             peak = tf.config.experimental.get_memory_info(DEVICE)["peak"]
             record = next(iter(managed.report().values()))["steps"][-1] if managed is not None else None
             phase, late = (record["phase"], record["late_prefetches"]) if record else ("plain", 0)
@@ -218,8 +233,13 @@ def _run_worker(a: argparse.Namespace) -> int:
         print(f"  step {len(result['losses']) + 1}/{a.steps}: {result['error']}", flush=True)
     if result["step_peak_bytes"]:
         result["peak_bytes"] = max(result["step_peak_bytes"])
-    if len(result["step_s"]) > 1:
-        result["median_step_s"] = statistics.median(result["step_s"][1:])
+    # The step whose memory curve is recorded (--curve, the last) runs under a memory callback: it is not timed.
+    if a.curve and len(result["step_s"]) == a.steps:
+        result["curve_step"] = a.steps - 1
+    timed = [i for i in range(len(result["step_s"])) if i != result["curve_step"]]
+    result["steal_share"] = steal_share(result)
+    if len(timed) > 1:
+        result["median_step_s"] = statistics.median(result["step_s"][i] for i in timed[1:])
         result["samples_per_s"] = a.batch / result["median_step_s"]
     if managed is not None and managed.report():
         result["report"] = next(iter(managed.report().values()))
@@ -231,22 +251,22 @@ def _run_worker(a: argparse.Namespace) -> int:
         changed = [i for i, r in enumerate(steps) if r["plan_changed"] or r["retried"] or r["phase"] == "measured"
                    or r.get("building")]
         first = changed[-1] + 2 if changed else 1
-        after = result["step_s"][first:]
+        after = [result["step_s"][i] for i in timed if i >= first]
         result["settled_steps"] = len(after)
         result["settled_median_step_s"] = statistics.median(after) if len(after) >= 3 else None
         result["settled_peak_bytes"] = max(result["step_peak_bytes"][first:], default=None)
         # The running plan's own steps: after its change (less the one that instantiated it), none beside a build
         # (StepRecord.building: no measurement of its plan); what against_prediction sets beside the plan's prediction
         # where the run has too few settled steps.
-        own = plan_step_indices(steps)
+        own = [i for i in plan_step_indices(steps) if i in timed]
         # Whether any step ran the plan the report predicts (a plan changed at the last step never ran).
         result["predicted_plan_ran"] = not (steps and (steps[-1]["plan_changed"] or steps[-1]["phase"] == "measured"))
         result["plan_steps"] = len(own)
         result["plan_median_step_s"] = statistics.median(result["step_s"][i] for i in own) if len(own) >= 2 else None
         result["plan_peak_bytes"] = max((result["step_peak_bytes"][i] for i in own), default=None)
-    elif len(result["step_s"]) >= 4:
-        result["settled_steps"] = len(result["step_s"]) - 1
-        result["settled_median_step_s"] = statistics.median(result["step_s"][1:])
+    elif len(timed) >= 4:
+        result["settled_steps"] = len(timed) - 1
+        result["settled_median_step_s"] = statistics.median(result["step_s"][i] for i in timed[1:])
     result.update(losses_hex=[float.hex(x) for x in result["losses"]], variables_sha256=setup.variables_sha256())
     pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
     return 0
@@ -342,7 +362,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     run = sub.add_parser("run", help="one configuration in a fresh process")
     _add_common_arguments(run)
-    run.add_argument("--curve", help="also write the last step's device-memory curve there (JSON [[s, bytes], ...])")
+    run.add_argument("--curve", help="also write the last step's device-memory curve there (JSON [[s, bytes], ...]); "
+                                     "that step is left out of the medians")
     equal = sub.add_parser("equal", help="plain TensorFlow with enough memory against the policy under the budget")
     _add_common_arguments(equal, fraction=True)
     equal.add_argument("--device-mb", type=whole_mib, default=DEFAULT_DEVICE_MB,
@@ -422,6 +443,44 @@ def _validate(a: argparse.Namespace) -> None:
 def _worker_args(a: argparse.Namespace, policy: str, budget_mb: int) -> list[str]:
     return ["--model", a.model, "--batch", str(a.batch), "--budget-mb", str(budget_mb), "--policy", policy,
             "--link", a.link, "--steps", str(a.steps)]
+
+
+# A timed run whose steps lost more than STEAL_LIMIT of the machine's CPU time to the hypervisor (steal_share) is run
+# again, up to STEAL_RERUNS more times, and the run that lost least is kept (every run's figures recorded in
+# `steal_runs`): on the 2 shared cores, a run that lost 16% of the CPU ran its steps 60% slower than one that lost
+# 1%, the same plan (docs/decisions.md, "Timed runs record what the hypervisor took").
+STEAL_LIMIT = 0.03
+STEAL_RERUNS = 2
+
+
+def timed_worker(args: list[str], limit_mb: int, echo=None) -> dict:
+    """`bench-worker` with `args` in a fresh process on a device of `limit_mb` MiB (common.run_worker), run again
+    while the hypervisor took more than STEAL_LIMIT of the machine during its timed steps (see there)."""
+    echo = echo or functools.partial(print, flush=True)
+    runs = []
+    while True:
+        r = run_worker("bench-worker", args, limit_mb)
+        runs.append(r)
+        share = r.get("steal_share")
+        if not r["ok"] or share is None or share <= STEAL_LIMIT or len(runs) > STEAL_RERUNS:
+            break
+        echo(f"  the hypervisor took {share:.0%} of the machine's CPU time during the timed steps (over "
+             f"{STEAL_LIMIT:.0%}): the same run again")
+    kept = min((r for r in runs if r["ok"]), key=lambda r: r.get("steal_share") or 0.0, default=runs[-1])
+    kept["steal_runs"] = [{"steal_share": r.get("steal_share"), "median_step_s": r.get("median_step_s"),
+                           "settled_median_step_s": r.get("settled_median_step_s"), "ok": r["ok"],
+                           "kept": r is kept} for r in runs]
+    return kept
+
+
+def steal_share(r: dict) -> float | None:
+    """The share of the machine's CPU time the hypervisor took from this machine (common.steal_s) during the timed
+    steps (every step after the first), all cores together; None where the kernel does not say."""
+    stolen, seconds = r.get("step_steal_s") or [], r.get("step_s") or []
+    timed = [i for i in range(1, len(seconds)) if i != r.get("curve_step")]
+    if len(stolen) != len(seconds) or not timed or sum(seconds[i] for i in timed) <= 0:
+        return None
+    return sum(stolen[i] for i in timed) / (sum(seconds[i] for i in timed) * (os.cpu_count() or 1))
 
 
 def timing(plain: dict, managed: dict) -> dict:
@@ -594,7 +653,7 @@ def _run(a: argparse.Namespace) -> int:
     if a.action == "run":
         print(f"bench run: {what}, {a.budget_mb} MiB device, steps: {a.steps} ...", flush=True)
         extra = ["--curve", a.curve] if getattr(a, "curve", None) else []
-        result = run_worker("bench-worker", _worker_args(a, a.policy, a.budget_mb) + extra, a.budget_mb)
+        result = timed_worker(_worker_args(a, a.policy, a.budget_mb) + extra, a.budget_mb)
         _write(a.json, result)
         print(f"{what}: {_summary(result)}")
         print(f"  result written to {a.json}")
@@ -616,8 +675,8 @@ def _run(a: argparse.Namespace) -> int:
 def plain_run(model: str, batch: int, link: str, steps: int, device_mb: int) -> dict:
     """Plain TensorFlow (no decorator) in a fresh process on a device of `device_mb` MiB: the reference of
     `equal_point`. CliError when it does not run there."""
-    plain = run_worker("bench-worker", ["--model", model, "--batch", str(batch), "--budget-mb", str(device_mb),
-                                        "--policy", "tf", "--link", link, "--steps", str(steps)], device_mb)
+    plain = timed_worker(["--model", model, "--batch", str(batch), "--budget-mb", str(device_mb), "--policy", "tf",
+                          "--link", link, "--steps", str(steps)], device_mb)
     if not plain["ok"]:
         raise CliError(f"plain TensorFlow does not run {model} b{batch} on {device_mb} MiB: {plain['error']} "
                        "(raise --device-mb)")
@@ -646,7 +705,7 @@ def equal_point(plain: dict, policy: str, budget_mb: int, device_mb: int, transi
         args += ["--link-clock-s", repr(clock)]
     if stop_on_rescue:
         args.append("--stop-on-rescue")
-    managed = run_worker("bench-worker", args, budget_mb)
+    managed = timed_worker(args, budget_mb, echo=echo)
     equal = (managed["ok"] and managed["losses_hex"] == plain["losses_hex"]
              and managed["variables_sha256"] == plain["variables_sha256"])
     meta = ("model", "batch", "policy", "link", "steps", "budget_mb", "budget_bytes", "tf_version",

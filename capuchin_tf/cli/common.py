@@ -120,6 +120,19 @@ def run_worker(subcommand: str, args: list[str], limit_mb: int, timeout: float |
         return json.loads(out.read_text())
 
 
+def steal_s() -> float | None:
+    """Seconds every CPU of this machine has been stolen since boot (the `steal` column of /proc/stat: time a virtual
+    CPU was ready while the hypervisor ran something else); None where the kernel does not say. On the shared
+    machines the benchmarks run on, a step that loses a core to another tenant is slower for a reason outside the
+    process (docs/decisions.md, "Timed runs record what the hypervisor took")."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else None
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def machine() -> dict:
     """The machine a result was measured on (every result JSON carries it)."""
     try:

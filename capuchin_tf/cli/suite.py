@@ -110,6 +110,12 @@ def _simulated(r: dict) -> str:
     return f" ({sim:.2f})"
 
 
+def _stolen(r: dict) -> str:
+    """The suite table's CPU-stolen cell (see `markdown`)."""
+    runs = f" ({r['steal_runs']})" if (r.get("steal_runs") or 1) > 1 else ""
+    return f"{_f(r.get('steal_share'), '.1%')}{runs} / {_f(r.get('plain_steal_share'), '.1%')}"
+
+
 def _row(data: dict) -> dict:
     from capuchin_tf.cli import bench
 
@@ -124,6 +130,10 @@ def _row(data: dict) -> dict:
     row = {k: data.get(k) for k in keys}
     managed = data.get("managed") or {}
     row["phases"] = managed.get("phases")
+    # the hypervisor's share of the machine during the timed steps (bench.timed_worker), and how many runs were made
+    row["steal_share"] = managed.get("steal_share")
+    row["steal_runs"] = len(managed.get("steal_runs") or ()) or None
+    row["plain_steal_share"] = (data.get("plain") or {}).get("steal_share")
     # benchmarks.md's "runs", over every step after the measured one: guided, none retried, under the budget
     row["all_guided"] = bool(managed) and len(row["phases"] or ()) > 1 and bench.batch_runs(
         managed, managed["budget_bytes"], clean_steps=len(row["phases"]) - 1)
@@ -312,12 +322,14 @@ def markdown(data: dict) -> str:
                   "build; else every step after the measured one), the planner's prediction for the running plan, and "
                   "its lower bound (docs/results.md). The prediction adds to the simulator's step the copies of the "
                   "bytes the plan's guided steps evicted on demand (measured; predicted before any ran): in brackets, "
-                  "the simulator's step alone where they differ.",
+                  "the simulator's step alone where they differ. CPU stolen: the share of the machine's CPU time the "
+                  "hypervisor gave other tenants during the policy's timed steps (runs made: a run over "
+                  "bench.STEAL_LIMIT is made again, the quietest kept) and during plain TensorFlow's.",
                   "",
                   "| model | batch | policy | budget MiB | bit for bit | every step guided | throughput: guided / "
                   "settled | step vs plain: measured / predicted / lower bound | measured / bound | peak MiB "
-                  "(predicted) | swapped / recomputed MiB | re-plans | phases |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "(predicted) | swapped / recomputed MiB | re-plans | phases | CPU stolen: policy (runs) / plain |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in data["throughput"]:
             lines.append(
                 f"| {r['model']} | {r['batch']} | {r['policy']} | {r['budget_mb']} | "
@@ -331,7 +343,7 @@ def markdown(data: dict) -> str:
                 f"({_f(r['predicted_peak_bytes'] and r['predicted_peak_bytes'] / MiB, '.1f')}) | "
                 f"{(r['swapped_bytes'] or 0) / MiB:.1f} / {(r['recomputed_bytes'] or 0) / MiB:.1f}"
                 f"{' (empty plan)' if r['empty_plan'] else ''} | {r['replans']} | "
-                f"{','.join(p[0] for p in (r['phases'] or []))} |")
+                f"{','.join(p[0] for p in (r['phases'] or []))} | {_stolen(r)} |")
         lines.append("")
     if data["maxbatch"]:
         lines += ["## Largest batch", "",

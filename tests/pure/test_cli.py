@@ -269,3 +269,43 @@ def test_the_worker_subcommands_are_not_listed(capsys):
     assert "bench-worker" not in listed and "profile-worker" not in listed and "SUPPRESS" not in listed
     assert "plan" in listed and "bench" in listed
     assert build_parser() is not None
+
+
+def test_a_timed_run_the_hypervisor_took_cores_from_is_run_again_and_the_quietest_kept(monkeypatch):
+    from capuchin_tf.cli import bench
+
+    shares = iter([0.16, 0.05, 0.01, 0.2])
+    calls = []
+
+    def fake_worker(subcommand, args, limit_mb, timeout=None):
+        calls.append(args)
+        share = next(shares)
+        return {"ok": True, "steal_share": share, "median_step_s": 1 + share, "settled_median_step_s": 1 + share}
+
+    monkeypatch.setattr(bench, "run_worker", fake_worker)
+    said = []
+    kept = bench.timed_worker(["--model", "mlp"], 64, echo=said.append)
+    assert len(calls) == 3 and kept["steal_share"] == 0.01  # stopped at the first run under STEAL_LIMIT
+    assert [r["steal_share"] for r in kept["steal_runs"]] == [0.16, 0.05, 0.01]
+    assert [r["kept"] for r in kept["steal_runs"]] == [False, False, True] and len(said) == 2
+
+    # never more than STEAL_RERUNS more runs: the one that lost least is kept
+    shares = iter([0.2, 0.08, 0.3, 0.01])
+    calls.clear()
+    kept = bench.timed_worker([], 64, echo=said.append)
+    assert len(calls) == 1 + bench.STEAL_RERUNS and kept["steal_share"] == 0.08
+
+    # a failed run is not a noisy one: no second run; a machine that does not say (None) neither
+    for first in ({"ok": False, "steal_share": 0.5}, {"ok": True, "steal_share": None}):
+        monkeypatch.setattr(bench, "run_worker", lambda *a, first=first, **k: dict(first))
+        kept = bench.timed_worker([], 64, echo=said.append)
+        assert len(kept["steal_runs"]) == 1 and kept["steal_runs"][0]["kept"]
+
+
+def test_steal_share_leaves_out_the_measured_step_and_the_curve_step():
+    from capuchin_tf.cli import bench
+
+    r = {"step_s": [9.0, 1.0, 1.0, 1.0], "step_steal_s": [5.0, 0.0, 0.2, 4.0], "curve_step": 3}
+    assert bench.steal_share(r) == pytest.approx(0.2 / (2.0 * (os.cpu_count() or 1)))
+    assert bench.steal_share({"step_s": [1.0, 1.0], "step_steal_s": []}) is None  # the kernel did not say
+    assert common.steal_s() is None or common.steal_s() >= 0
