@@ -6,7 +6,12 @@ What the paper measures (paper.md §1.6, §5) and what this model keeps:
   recomputation replays ops for exactly their measured durations (recompute cost is measured, not modelled);
 - **the link**: ``SwapTime = bytes / bandwidth`` per direction (device-to-host for swap-outs, host-to-device for
   swap-ins), one copy at a time per direction (a GPU's two copy engines; the host store's one worker per
-  direction), copies overlapping compute.
+  direction), copies overlapping compute;
+- **what a copy takes from compute** (``copy_compute_bytes_per_s``): on a GPU nothing (its copy engines are not its
+  cores); on the simulated CPU device every copy is a memcpy the host's cores run beside the step's kernels (an
+  emulated link copies at host speed, then holds the buffer until the link's time), and the kernels slow down by about
+  the memcpy's time: ``bytes / copy_compute_bytes_per_s`` of compute per copy. The links made by name (``from_link``)
+  carry this machine's figure, HOST_COPY_COMPUTE_BYTES_PER_S.
 
 Link regimes (benchmarks.md): ``native`` is this machine's measured host memcpy bandwidth; ``p100`` keeps the paper's
 compute-to-transfer ratio: the model's FLOP rate on this machine / 258 FLOP per byte; or a number of bytes/s.
@@ -22,6 +27,11 @@ from collections.abc import Mapping
 NATIVE_BYTES_PER_S = 6e9
 # A P100 training ResNet-50 achieves about 3.1 TFLOP/s over a 12 GB/s PCIe 3.0 x16 link (benchmarks.md).
 P100_FLOP_PER_BYTE = 258.0
+
+# What a copy takes from the step's kernels on this CPU device, per byte copied (docs/decisions.md, "A copy takes
+# compute on the CPU device"): plain TensorFlow's ops ran 0.021 s slower in a guided transformer b32 step that copied
+# 130 MB (6.2 GB/s) and 0.23 s slower in a bert-base b8 step that copied 2.4 GB (10 GB/s), under one profiler.
+HOST_COPY_COMPUTE_BYTES_PER_S = 8e9
 
 LINK_NAMES = ("native", "p100")
 
@@ -47,12 +57,19 @@ class DeviceModel:
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
     link: str = "custom"
+    # Compute a copy takes, per byte (see the module docstring); None: copies take no compute (a GPU's copy engines).
+    copy_compute_bytes_per_s: float | None = None
 
     def __post_init__(self):
-        for name in ("d2h_bytes_per_s", "h2d_bytes_per_s"):
+        for name in ("d2h_bytes_per_s", "h2d_bytes_per_s") + (
+                ("copy_compute_bytes_per_s",) if self.copy_compute_bytes_per_s is not None else ()):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and v != float("inf")):
                 raise DeviceModelError(f"{name} must be a positive finite number of bytes/s, got {v!r}")
+
+    def copy_compute_time(self, nbytes: int) -> float:
+        """The compute time a copy of `nbytes` (either direction) takes from the step's kernels."""
+        return nbytes / self.copy_compute_bytes_per_s if self.copy_compute_bytes_per_s else 0.0
 
     def swap_out_time(self, nbytes: int) -> float:
         """SwapTime of a device-to-host copy."""
@@ -68,7 +85,12 @@ class DeviceModel:
 
     @classmethod
     def from_link(cls, link: str | float | int, trace=None) -> DeviceModel:
-        """``native``, ``p100`` (needs the trace: ``meta["flops"]`` and ``step_time``) or a bandwidth in bytes/s."""
+        """``native``, ``p100`` (needs the trace: ``meta["flops"]`` and ``step_time``) or a bandwidth in bytes/s; on
+        this CPU device each copy also takes compute (HOST_COPY_COMPUTE_BYTES_PER_S)."""
+        return dataclasses.replace(cls._link(link, trace), copy_compute_bytes_per_s=HOST_COPY_COMPUTE_BYTES_PER_S)
+
+    @classmethod
+    def _link(cls, link: str | float | int, trace=None) -> DeviceModel:
         if isinstance(link, (int, float)) and not isinstance(link, bool):
             return cls.symmetric(float(link), f"{float(link):g}")
         name = str(link).strip()
@@ -104,8 +126,11 @@ class DeviceModel:
         return cls.symmetric(bps, f"{bps:g}")
 
     def to_json(self) -> dict:
-        return {"link": self.link, "d2h_bytes_per_s": self.d2h_bytes_per_s, "h2d_bytes_per_s": self.h2d_bytes_per_s}
+        return {"link": self.link, "d2h_bytes_per_s": self.d2h_bytes_per_s, "h2d_bytes_per_s": self.h2d_bytes_per_s,
+                "copy_compute_bytes_per_s": self.copy_compute_bytes_per_s}
 
     @classmethod
     def from_json(cls, d: Mapping) -> DeviceModel:
-        return cls(float(d["d2h_bytes_per_s"]), float(d["h2d_bytes_per_s"]), str(d.get("link", "custom")))
+        copy = d.get("copy_compute_bytes_per_s")
+        return cls(float(d["d2h_bytes_per_s"]), float(d["h2d_bytes_per_s"]), str(d.get("link", "custom")),
+                   None if copy is None else float(copy))

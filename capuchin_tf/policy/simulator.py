@@ -11,6 +11,9 @@ The model (docs/policy.md, "The simulator"):
   is queued on the host-to-device link, behind the tensor's own swap-out; the device buffer is allocated when the copy
   starts. One copy at a time per direction, first come first served. The back-access's op waits for the copy: a late
   prefetch is a stall. A swap without an in-trigger is swapped in on demand at the back-access.
+- **What copies take from compute** (DeviceModel.copy_compute_bytes_per_s; none on a GPU): on the CPU device a
+  swap-out or a prefetch delays every later op by its memcpy's compute time from the moment it is queued; a swap-in
+  on demand does not (the op that waits for it has nothing to run beside it).
 - **Recomputation.** The tensor is freed at the end of its evicted-access's op. Its replay runs just before the
   back-access's op (on demand, as in the paper) or just after its trigger's op (early); the replayed ops take their
   measured durations on the compute stream and delay what follows unless an idle gap absorbs them. Each replayed op
@@ -70,6 +73,7 @@ class SimulationResult:
     # that label frees it (its eviction, its last read); a replay's temporaries have labels of their own; a release
     # of persistent memory has the label "" (policy/placement.py pairs them into buffers).
     events: tuple[tuple[float, int, str], ...] = ()
+    copy_compute_s: float = 0.0  # total delay the copies' compute caused (DeviceModel.copy_compute_time)
 
     @functools.cached_property
     def _curve_times(self) -> list[float]:
@@ -108,9 +112,10 @@ def simulate(
 def lower_bound_s(trace: AccessTrace, plan: Plan) -> float:
     """The least step time `plan` allows on `trace`'s clock, whatever the schedule: at least the trace's step; at
     least the compute (the time some op of the trace runs, plus every replay, which runs its ops again on the same
-    compute); at least the busy time of each copy direction (one copy at a time per direction, at best hidden behind
-    the whole step). The simulator never predicts less (tests/pure/test_properties.py); a measured step over it is the
-    schedule's and the implementation's cost, not the decisions'."""
+    compute); either plus what the copies take from compute (DeviceModel.copy_compute_time); at least the busy time
+    of each copy direction (one copy at a time per direction, at best hidden behind the whole step). The simulator
+    never predicts less (tests/pure/test_properties.py); a measured step over it is the schedule's and the
+    implementation's cost, not the decisions'."""
     busy, end = 0.0, float("-inf")
     for start, stop in sorted((o.start, o.start + o.duration) for o in trace.ops):
         if stop > end:
@@ -121,7 +126,9 @@ def lower_bound_s(trace: AccessTrace, plan: Plan) -> float:
     replays = sum(sum(dur.get(op, 0.0) for op in d.replay_ops) for d in plan.recomputes)
     out_busy = sum(plan.device.swap_out_time(d.nbytes) for d in plan.swaps)
     in_busy = sum(plan.device.swap_in_time(d.nbytes) for d in plan.swaps)
-    return max(trace.step_time, busy + replays, out_busy, in_busy)
+    # What the copies take from compute (the CPU device's memcpy; none on a GPU): every swap-out and every prefetch.
+    copies = sum(plan.device.copy_compute_time(d.nbytes) * (1 + (d.in_trigger is not None)) for d in plan.swaps)
+    return max(trace.step_time + copies, busy + replays + copies, out_busy, in_busy)
 
 
 # ---- structural checks ----------------------------------------------------------------------------------------------
@@ -294,6 +301,7 @@ class _Walk:
         stalls: dict[str, float] = {}
         stall_total = 0.0
         recompute_total = 0.0
+        copy_total = 0.0
         pending_early: list[str] = []
 
         def swap_in(t: str, nbytes: int, issue: float) -> None:
@@ -379,6 +387,9 @@ class _Walk:
                     d2h_free = ce
                     out_end[t] = ce
                     events.append((ce, -d.nbytes, t))
+                    cost = dm.copy_compute_time(d.nbytes)
+                    D += cost
+                    copy_total += cost
                 else:
                     out_end[t] = E[i]
                     events.append((E[i], -d.nbytes, t))
@@ -388,6 +399,9 @@ class _Walk:
                 if state.get(t) != _OUT:
                     raise InfeasiblePlanError(f"tensor {t!r}: in-trigger at op {idx.op_names[i]!r} before its eviction")
                 swap_in(t, d.nbytes, max(E[i], out_end[t]))
+                cost = dm.copy_compute_time(d.nbytes)
+                D += cost
+                copy_total += cost
             for d in self.early_after[i]:
                 w0 = max(E[i], barrier)
                 if not d.replay_ops:
@@ -451,6 +465,7 @@ class _Walk:
             restore_time=restore,
             swap_out_end=out_end,
             events=tuple(events),
+            copy_compute_s=copy_total,
         )
 
     def _replay(self, d: RecomputeDecision, k: int, w0: float, state, ready, restore, events) -> float:

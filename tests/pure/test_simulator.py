@@ -76,6 +76,26 @@ def test_a_hidden_swap_frees_memory_between_its_copies_and_costs_nothing():
     assert at(base, 8 * MS) == at(sim, 8 * MS)
 
 
+def test_on_the_cpu_device_a_swap_out_and_its_prefetch_delay_every_later_op_by_their_memcpy():
+    t = five_ops()
+    cpu = dataclasses.replace(LINK, copy_compute_bytes_per_s=MB / (MS / 4))  # a 1 MiB memcpy takes 0.25 ms of compute
+    sim = simulate(t, [swap(t, "a:0", 1, 2, "f2")], cpu)
+    # out after f1 (2 ms): f2 starts 0.25 ms late; the prefetch after f2: f3 and g 0.5 ms late; still no stall
+    assert sim.stall_s == 0 and sim.copy_compute_s == pytest.approx(0.5 * MS)
+    assert sim.op_start[2] == pytest.approx(2.25 * MS) and sim.op_start[3] == pytest.approx(6.5 * MS)
+    assert sim.step_time == pytest.approx(t.step_time + 0.5 * MS)
+    plan = _plan(t, [swap(t, "a:0", 1, 2, "f2")], cpu)
+    assert lower_bound_s(t, plan) == pytest.approx(t.step_time + 0.5 * MS)
+    assert lower_bound_s(t, plan) <= sim.step_time + 1e-12
+    # on demand, the op that waits has nothing to run beside the copy: only the swap-out's memcpy delays the step
+    on_demand = simulate(t, [swap(t, "a:0", 1, 2, None)], cpu)
+    assert on_demand.copy_compute_s == pytest.approx(0.25 * MS)
+    # the links made by name carry this machine's figure, and a plan's JSON keeps it
+    native = DeviceModel.from_link("native")
+    assert native.copy_compute_bytes_per_s > 0 and LINK.copy_compute_bytes_per_s is None
+    assert DeviceModel.from_json(native.to_json()) == native and DeviceModel.from_json(LINK.to_json()) == LINK
+
+
 def test_a_late_prefetch_stalls_the_back_access_and_delays_what_follows():
     t = five_ops()
     sim = simulate(t, [swap(t, "a:0", 1, 2, "f3")], LINK)  # issued at 10 ms, lands at 11 ms
