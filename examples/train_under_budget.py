@@ -110,9 +110,10 @@ def main() -> int:
         settled, plain_s = run["settled_median_step_s"], ref["settled_median_step_s"] or ref["median_step_s"]
         every = ref["median_step_s"] / run["median_step_s"]
         if settled:
-            print(f"      settled after {args.steps - run['settled_steps'] - (1 if run['curve_step'] else 0)} steps: "
-                  f"throughput {args.batch / settled:.1f} samples/s = {plain_s / settled:.2f}x plain TensorFlow with "
-                  f"enough memory ({every:.2f}x over every step after the first)")
+            last = args.steps - (1 if run["curve_step"] is not None else 0)  # the last timed step, counted from 1
+            print(f"      settled (steps {last - run['settled_steps'] + 1}-{last}, no plan change): throughput "
+                  f"{args.batch / settled:.1f} samples/s = {plain_s / settled:.2f}x plain TensorFlow with enough "
+                  f"memory ({every:.2f}x over every step after the first)")
         else:
             print(f"      not settled in {args.steps} steps: throughput over every step after the first {every:.2f}x "
                   "plain TensorFlow with enough memory")
