@@ -7,7 +7,8 @@ MiB) in which none fails, against the most bytes live at once. No TensorFlow.
 Policies: best (best fit, lowest address: BFC's choice with every chunk split), first (first fit by address),
 best-top (best fit, at the chunk's top end), split (4 MiB and more best fit at the top, the rest at the bottom),
 lifetime (allocations living more than 4x the median lifetime of the step at the top, the rest at the bottom: an
-oracle, the lifetimes are the record's own). A model: BFC's bins and the small pool are left out.
+oracle, the lifetimes are the record's own), bfc (best fit, lowest address, a free run split only when it is at least
+twice the allocation, else taken whole: BFC's rule). A model: BFC's bins and the small pool are left out.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import sys
 
 MiB = 1 << 20
 GRANULE = 256
-POLICIES = ("best", "first", "best-top", "split", "lifetime")
+POLICIES = ("best", "first", "best-top", "split", "lifetime", "bfc")
+MAX_INTERNAL_FRAGMENTATION = 128 * MiB  # BFC's kMaxInternalFragmentation
 
 
 def rounded(n: int) -> int:
@@ -45,6 +47,8 @@ class Arena:
             a, s = min(fits, key=lambda c: (c[1], -c[0] if top else c[0]))
         place = a + s - n if top else a
         self.free.remove((a, s))
+        if self.policy == "bfc" and s < 2 * n and s - n < MAX_INTERNAL_FRAGMENTATION:
+            return a, s  # BFC gives a chunk of less than twice the request to it whole
         if place > a:
             bisect.insort(self.free, (a, place - a))
         if place + n < a + s:

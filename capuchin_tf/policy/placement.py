@@ -4,8 +4,9 @@ Pure Python: no TensorFlow.
 The simulator counts bytes; the device allocator (BFC) needs one free run for each buffer. When the free memory is
 in pieces smaller than an allocation, a guided step evicts on demand although the plan's bytes fit (docs/decisions.md,
 "A plan's placement is predicted"). This module replays a simulated step's buffers (SimulationResult.events) into one
-address space, each allocation in the smallest free run that holds it, lowest address first (BFC's choice for a
-chunk it can split), the space growing at its top when no run holds it. The top it reaches over the most bytes live
+address space, each allocation in the smallest free run that holds it, lowest address first, taking the whole run
+unless it is at least twice the allocation (BFC's choice and its rule for splitting a chunk), the space growing at
+its top when no run holds it. The top it reaches over the most bytes live
 at once is the plan's fragmentation: what the device needs beyond the byte peak.
 
 A model, not the allocator: BFC's bins, its region boundaries and the small-tensor pool are left out (allocations of
@@ -20,6 +21,10 @@ from collections.abc import Iterable, Iterator
 
 GRANULE = 256  # BFC rounds every allocation up to a multiple of this
 SMALL_BYTES = 64 * 1024  # CapuchinAllocator::kSmallPoolMaxAllocationBytes: smaller allocations have a pool of their own
+# BFC splits a free chunk for an allocation only when the chunk is at least twice the request or the rest is at least
+# this (its kMaxInternalFragmentation, 128 MiB without a fragmentation_fraction); otherwise the allocation takes the
+# whole chunk (tensorflow/core/common_runtime/bfc_allocator.cc, FindChunkPtr).
+MAX_INTERNAL_FRAGMENTATION = 128 << 20
 
 
 def rounded(n: int) -> int:
@@ -47,7 +52,10 @@ class _Space:
         self.free: list[tuple[int, int]] = []  # (address, size), sorted by address, never adjacent
         self.top = 0
 
-    def alloc(self, n: int) -> int:
+    def alloc(self, n: int) -> tuple[int, int]:
+        """The address of `n` bytes and the bytes taken there: the smallest free run that holds them, lowest address
+        first, split only when it is at least twice `n` (or leaves MAX_INTERNAL_FRAGMENTATION or more); else the whole
+        run is taken (BFC's rule: a chunk of less than twice the request goes to it whole)."""
         best = None
         for a, s in self.free:
             if s >= n and (best is None or s < best[1]):
@@ -60,14 +68,14 @@ class _Space:
             else:
                 a = self.top
             self.top = a + n
-            return a
+            return a, n
         a, s = best
         i = bisect.bisect_left(self.free, (a, 0))
-        if s == n:
-            self.free.pop(i)
-        else:
+        if s >= 2 * n or s - n >= MAX_INTERNAL_FRAGMENTATION:
             self.free[i] = (a + n, s - n)
-        return a
+            return a, n
+        self.free.pop(i)
+        return a, s
 
     def release(self, a: int, n: int) -> None:
         i = bisect.bisect_left(self.free, (a, 0))
@@ -133,20 +141,20 @@ def place(events: Iterable[tuple[float, int, str]], small_bytes: int = SMALL_BYT
     """Best-fit placement of a step's buffers (`events` as in SimulationResult.events, paired by buffer_events);
     buffers of at most `small_bytes` are left out."""
     space = _Space()
-    where: dict[str, tuple[int, int]] = {}
+    where: dict[str, tuple[int, int, int]] = {}  # key -> (address, bytes taken, bytes asked)
     extent = live = live_peak = count = 0
     for _, delta, key in buffer_events(events):
         if delta > 0:
             if delta <= small_bytes:
                 continue
             n = rounded(delta)
-            where[key] = (space.alloc(n), n)
+            where[key] = (*space.alloc(n), n)
             count += 1
             live += n
             live_peak = max(live_peak, live)
             extent = max(extent, space.top)
         elif key in where:
-            a, n = where.pop(key)
-            space.release(a, n)
+            a, taken, n = where.pop(key)
+            space.release(a, taken)
             live -= n
     return Placement(extent=extent, live_peak=live_peak, allocations=count)

@@ -31,6 +31,21 @@ def test_best_fit_takes_the_smallest_run_and_small_allocations_are_not_placed():
     assert p.fragmentation == 0 and p.allocations == 6
 
 
+def test_a_free_run_less_than_twice_an_allocation_is_taken_whole_as_bfc_does():
+    """BFC splits a free chunk only when it is at least twice the request: a 4 MiB allocation in a 6 MiB hole takes
+    all 6, so a 2 MiB one after it finds no hole and the space grows (2 MiB beyond the 7 live); an 8 MiB hole is
+    split, and both fit in it."""
+    def events(hole: int):
+        return [(0, hole * MB, "a"), (1, 1 * MB, "b"), (2, -hole * MB, "a"), (3, 4 * MB, "c"), (4, 2 * MB, "d")]
+    p = place(events(6))
+    assert (p.live_peak, p.extent, p.fragmentation) == (7 * MB, 9 * MB, 2 * MB)
+    p = place(events(8))
+    assert (p.extent, p.fragmentation) == (9 * MB, 0)
+    # The whole run taken is given back whole: freed, it holds the 6 MiB again.
+    p = place(events(6) + [(5, -4 * MB, "c"), (6, 6 * MB, "e")])
+    assert p.extent == 9 * MB
+
+
 def test_the_simulated_events_pair_into_buffers_with_the_simulated_peak():
     """Every buffer of a simulated step is allocated and freed under one label (swapped out and back in: two
     buffers); with no small tensors and nothing in pieces, the placement's live peak is the simulated transient
