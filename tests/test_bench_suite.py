@@ -162,3 +162,55 @@ def test_a_quick_point_bit_for_bit_with_its_prediction(tmp_path, capfd):
     assert point["managed"]["link_clock_s"] == point["plain"]["settled_median_step_s"] > 0
     assert (out / "suite.md").read_text().startswith("# bench suite: quick tier, link p100")
     assert (out / "throughput.png").stat().st_size > 0
+
+
+def test_rounds_run_the_policies_in_turn_and_keep_each_policys_median_run(tmp_path):
+    """`--rounds 3`: every policy's point runs three times, the policies in turn (a slow spell of the machine falls on
+    all of them), each point the run of its median step with every round's median recorded; a policy that did not
+    run at the budget in the first round is not run again; the table sets capuchin beside the fastest baseline."""
+    import argparse
+    import itertools
+    import types
+
+    medians = {"capuchin": iter([1.30, 1.00, 1.10]), "checkpoint": iter([1.05, 1.20, 1.02]),
+               "swap-only": iter([9.0])}
+    order = []
+    counter = itertools.count()
+
+    def equal_point(plain, policy, budget_mb, device_mb, echo, stop_on_rescue):
+        order.append(policy)
+        ok = policy != "swap-only"
+        m = next(medians[policy])
+        managed = {"phases": ["measured", "guided"], "steal_share": 0.0, "budget_bytes": budget_mb * MiB,
+                   "step_peak_bytes": [1, 1], "retries": [0, 0], "ok": ok, "peak_bytes": 1, "run": next(counter)}
+        return {"model": plain["model"], "batch": plain["batch"], "policy": policy, "link": "p100",
+                "budget_mb": budget_mb, "ok": ok, "error": None if ok else "CapuchinError: out of memory",
+                "bitwise_equal": ok, "median_step_s": m, "settled_median_step_s": m, "swapped_tensors": 1,
+                "recomputed_tensors": 0, "swapped_bytes": MiB, "recomputed_bytes": 0, "replans": 0,
+                "managed": managed, "plain": plain}
+
+    def plain_run(model, batch, link, steps, device):
+        return {"model": model, "batch": batch, "device_mb": device, "persistent_bytes": 10 * MiB,
+                "peak_bytes": 110 * MiB, "losses_hex": ["0x1p+0"], "variables_sha256": "v", "median_step_s": 0.9,
+                "settled_median_step_s": 0.9}
+
+    bench = types.SimpleNamespace(equal_point=equal_point, plain_run=plain_run, timing=lambda plain, managed: {})
+    a = argparse.Namespace(out=str(tmp_path), tier="quick", link="p100", fraction=0.5, steps=8, rounds=3,
+                           budget_mb=None)
+    policies = ["capuchin", "checkpoint", "swap-only"]
+    the_suite = suite.Suite(a, ["cnn"], policies, ["throughput"])
+    assert suite._throughput(the_suite, bench, "cnn", policies)
+    assert order == ["capuchin", "checkpoint", "swap-only", "capuchin", "checkpoint", "capuchin", "checkpoint"]
+    rows = {r["policy"]: r for r in the_suite.data["throughput"]}
+    assert rows["capuchin"]["median_step_s"] == 1.10 and rows["checkpoint"]["median_step_s"] == 1.05
+    assert [r["median_step_s"] for r in rows["capuchin"]["rounds"]] == [1.30, 1.00, 1.10]
+    assert [r["kept"] for r in rows["capuchin"]["rounds"]] == [False, False, True]
+    assert rows["swap-only"]["rounds"] is None and not rows["swap-only"]["ok"]
+    (c,) = suite.against_best_baseline(the_suite.data["throughput"])
+    assert (c["baseline"], c["difference"]) == ("checkpoint", pytest.approx(1.10 / 1.05 - 1))
+    text = suite.markdown(the_suite.data)
+    assert "| cnn | 128 | 1.100 | checkpoint | 1.050 | +4.8% | 1.300, 1.000, 1.100 / 1.050, 1.200, 1.020 |" in text
+    # an even count keeps the lower of the two middle runs; a point none of whose runs completed keeps the first
+    assert suite.median_run([{"ok": True, "median_step_s": x} for x in (3.0, 1.0, 2.0, 4.0)])["median_step_s"] == 2.0
+    assert suite.median_run([{"ok": False, "median_step_s": None, "run": 1}, {"ok": False, "median_step_s": None}]
+                            )["run"] == 1
