@@ -155,7 +155,13 @@ def test_a_quick_point_bit_for_bit_with_its_prediction(tmp_path, capfd):
     assert row["peak_bytes"] <= row["budget_mb"] * MiB
     # the simulator never predicts a step below the plan's lower bound
     assert 1.0 <= row["lower_bound_ratio"] <= row["predicted_step_ratio"]
-    assert row["measured_step_ratio"] > 0 and row["settled_peak_bytes"] <= row["budget_mb"] * MiB
+    if row["prediction_timed_over"] == "none: the plan predicted never ran":
+        # the feedback changed the plan at the last step (late prefetches on this machine's timing): no step ran the
+        # plan the prediction is for, and the row says so instead of setting another plan's step beside it
+        assert row["replans"] >= 1 and row["measured_step_ratio"] is None
+    else:
+        assert row["measured_step_ratio"] > 0
+    assert row["settled_peak_bytes"] is None or row["settled_peak_bytes"] <= row["peak_bytes"]  # (under, above)
     point = json.loads((out / row["json"]).read_text())
     assert point["commit"] == data["commit"] and point["bitwise_equal"] is True
     # every policy of the point over one p100 link: clocked by plain TensorFlow's step of the same run
