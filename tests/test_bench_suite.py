@@ -153,8 +153,9 @@ def test_a_quick_point_bit_for_bit_with_its_prediction(tmp_path, capfd):
     assert row["phases"][0] == "measured" and set(row["phases"][1:]) == {"guided"} and row["all_guided"]
     assert row["swapped_bytes"] + row["recomputed_bytes"] > 0 and not row["empty_plan"]
     assert row["peak_bytes"] <= row["budget_mb"] * MiB
-    # the simulator never predicts a step below the plan's lower bound
-    assert 1.0 <= row["lower_bound_ratio"] <= row["predicted_step_ratio"]
+    # the simulator never predicts a step below the plan's lower bound (the two summed in different orders: equal
+    # to the last bits where nothing waits; a CI run on a clean clone of 3ed49d1 had the bound 1 ulp above)
+    assert 1.0 <= row["lower_bound_ratio"] <= row["predicted_step_ratio"] * (1 + 1e-12)
     if row["prediction_timed_over"] == "none: the plan predicted never ran":
         # the feedback changed the plan at the last step (late prefetches on this machine's timing): no step ran the
         # plan the prediction is for, and the row says so instead of setting another plan's step beside it
