@@ -265,9 +265,9 @@ def _rounds(rounds: list[dict] | None) -> str:
 def median_run(runs: list[dict]) -> dict:
     """Of one policy's runs of a throughput point (`--rounds`, each a fresh process), the one whose median step
     (steps 2 on) is the median of theirs, the lower of the two middle ones for an even count, among those that
-    completed (the first run when none did); with every run's figures in its `rounds`. A process's speed differs from
-    another's by up to 20% with nothing stolen (docs/decisions.md, "Timed runs record what the hypervisor took"): one
-    run per point can put a policy ahead or behind by that much."""
+    completed (the first run when none did); with every run's figures in its `rounds`. One process can run the same
+    plan 15-40% slower than another with nothing stolen (docs/decisions.md, "A suite point is the run of the median
+    step of its rounds"): one run per point can put a policy ahead or behind by that much."""
     done = [d for d in runs if d["ok"] and d.get("median_step_s") is not None]
     chosen = sorted(done, key=lambda d: d["median_step_s"])[(len(done) - 1) // 2] if done else runs[0]
     if len(runs) > 1:
