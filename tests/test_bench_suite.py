@@ -152,6 +152,8 @@ def test_a_quick_point_bit_for_bit_with_its_prediction(tmp_path, capfd):
     assert row["model"] == "mlp" and row["policy"] == "capuchin" and row["bitwise_equal"] is True
     assert row["phases"][0] == "measured" and set(row["phases"][1:]) == {"guided"} and row["all_guided"]
     assert row["swapped_bytes"] + row["recomputed_bytes"] > 0 and not row["empty_plan"]
+    # The suite runs each policy on a device of the budget's size, so these peak checks hold by the device's size;
+    # the budget check that can fail is tests/test_quick_tier.py's (a device twice the budget).
     assert row["peak_bytes"] <= row["budget_mb"] * MiB
     # the simulator never predicts a step below the plan's lower bound (the two summed in different orders: equal
     # to the last bits where nothing waits; a CI run on a clean clone of 3ed49d1 had the bound 1 ulp above)
@@ -162,8 +164,10 @@ def test_a_quick_point_bit_for_bit_with_its_prediction(tmp_path, capfd):
         assert row["replans"] >= 1 and row["measured_step_ratio"] is None
     else:
         assert row["measured_step_ratio"] > 0
-    assert row["settled_peak_bytes"] is None or row["settled_peak_bytes"] <= row["peak_bytes"]  # (under, above)
+    assert row["settled_peak_bytes"] is None or row["settled_peak_bytes"] <= row["budget_mb"] * MiB
     point = json.loads((out / row["json"]).read_text())
+    # the row reports the peaks its run's steps measured
+    assert row["peak_bytes"] == max(point["managed"]["step_peak_bytes"])
     assert point["commit"] == data["commit"] and point["bitwise_equal"] is True
     # every policy of the point over one p100 link: clocked by plain TensorFlow's step of the same run
     assert point["managed"]["link_clock_s"] == point["plain"]["settled_median_step_s"] > 0
