@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import hashlib
 import itertools
+import threading
 import weakref
 from collections.abc import Callable, Collection, Iterator
 
@@ -69,6 +70,12 @@ def refuse_xla(fn) -> None:
 
 
 _NONCES = itertools.count(1 << 30)  # timeline_step values no other call uses (see optimized_graph)
+# Held while run metadata collects a function's optimized graph, and by any other thread's instantiation
+# (function_surgery.preinstantiate, a plan change built in the background): run metadata is the eager context's, so
+# an instantiation in another thread during the window lands in the same metadata, its graph merged into the one
+# read (seen: ResNet50's step read back with 10,416 nodes, 4,345 names twice, while another managed step's plan
+# change was built; docs/decisions.md, "One instantiation at a time while a graph is read").
+INSTANTIATION_LOCK = threading.RLock()
 
 
 def optimized_graph(concrete, args) -> graph_pb2.GraphDef:
@@ -113,6 +120,11 @@ def call_config(edit: Callable[[config_pb2.ConfigProto], None]) -> Iterator[None
 
 def _instantiate(ctx, manager, concrete, args, flush):
     """Calls `concrete` under an already cancelled `manager` with run metadata on: its optimized graphs."""
+    with INSTANTIATION_LOCK:
+        return _instantiate_locked(ctx, manager, concrete, args, flush)
+
+
+def _instantiate_locked(ctx, manager, concrete, args, flush):
     ctx.enable_run_metadata()
     try:
         ctx.export_run_metadata()  # drop anything collected before this call
@@ -135,13 +147,14 @@ def run_with_post_optimization_graph(call, names: Collection[str]):
     functions (a function run earlier in the process, for one), so the one sharing most node names with it is taken.
     """
     ctx = context.context()
-    ctx.enable_run_metadata()
-    try:
-        ctx.export_run_metadata()  # drop anything collected before this call
-        result = call()
-        metadata = ctx.export_run_metadata()
-    finally:
-        ctx.disable_run_metadata()
+    with INSTANTIATION_LOCK:  # no other thread's instantiation in this call's metadata
+        ctx.enable_run_metadata()
+        try:
+            ctx.export_run_metadata()  # drop anything collected before this call
+            result = call()
+            metadata = ctx.export_run_metadata()
+        finally:
+            ctx.disable_run_metadata()
     return result, _pick_graph(metadata, names)
 
 

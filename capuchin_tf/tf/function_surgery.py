@@ -306,9 +306,12 @@ def preinstantiate(fn: RunnableStep, specs: tuple | None) -> bool:
     manager = cancellation.CancellationManager()
     manager.start_cancel()
     try:
-        execute.execute_with_cancellation(atomic.name.decode(), num_outputs=len(atomic.function_type.flat_outputs),
-                                          inputs=empty + list(fn.captured_inputs), attrs=attrs, ctx=ctx,
-                                          cancellation_manager=manager)
+        # Not while another thread reads a graph from the context's run metadata (capture.INSTANTIATION_LOCK).
+        with capture.INSTANTIATION_LOCK:
+            execute.execute_with_cancellation(atomic.name.decode(),
+                                              num_outputs=len(atomic.function_type.flat_outputs),
+                                              inputs=empty + list(fn.captured_inputs), attrs=attrs, ctx=ctx,
+                                              cancellation_manager=manager)
     except tf.errors.CancelledError:
         return True
     except tf.errors.OpError as e:
