@@ -225,3 +225,68 @@ def test_rounds_run_the_policies_in_turn_and_keep_each_policys_median_run(tmp_pa
     assert suite.median_run([{"ok": True, "median_step_s": x} for x in (3.0, 1.0, 2.0, 4.0)])["median_step_s"] == 2.0
     assert suite.median_run([{"ok": False, "median_step_s": None, "run": 1}, {"ok": False, "median_step_s": None}]
                             )["run"] == 1
+
+
+def test_policies_in_turn_in_one_process_bit_for_bit(tmp_path):
+    """`--sections interleaved`: every policy's managed step in one fresh process on a device of the budget's size,
+    in turn; the whole run (each step continues from the one before, whichever policy ran it) bit for bit with plain
+    TensorFlow's run of as many steps; each policy's median step from its first guided step on, against capuchin's."""
+    out = tmp_path / "suite"
+    assert main.main(["bench", "suite", "--tier", "quick", "--models", "mlp", "--policies", "swap-only,capuchin",
+                      "--sections", "interleaved", "--steps", "4", "--out", str(out)]) == 0
+    data = json.loads((out / "suite.json").read_text())
+    rows = {r["policy"]: r for r in data["interleaved"]}
+    assert list(rows) == ["capuchin", "swap-only"]  # capuchin first: the others are set against it
+    for r in rows.values():
+        assert r["ok"] and r["bitwise_equal"] is True and r["steps"] == 4 and r["median_step_s"] > 0
+        assert r["peak_bytes"] <= r["budget_mb"] * MiB  # (the device is the budget's size: a record, not a check)
+    assert rows["capuchin"]["vs_capuchin"] == 1.0
+    # paired by round: each policy ran once in each of the 2 rounds
+    assert rows["swap-only"]["rounds_paired"] == 2 and 0 <= rows["swap-only"]["rounds_capuchin_faster"] <= 2
+    raw = json.loads((out / data["interleaved"][0]["json"]).read_text())
+    assert raw["steps"] == 8 and len(raw["run"]["losses_hex"]) == 8
+    assert raw["run"]["losses_hex"] == raw["plain"]["losses_hex"]
+    # the order: each policy's measured and first guided step, then rounds with the order rotated
+    assert raw["run"]["order"] == ["capuchin"] * 2 + ["swap-only"] * 2 + ["capuchin", "swap-only", "swap-only",
+                                                                          "capuchin"]
+    assert raw["link_clock_s"] == raw["run"]["link_clock_s"] > 0  # one p100 link, clocked by plain's step
+    assert "## Policies in turn in one process" in (out / "suite.md").read_text()
+
+
+def test_a_step_of_another_bit_fails_the_interleaved_run(monkeypatch):
+    """The run's check can fail: one loss of plain TensorFlow's run different, and the run is not bit for bit; a
+    policy left out (its step failed) is reported with its error, and the variables compared after as many steps."""
+    from capuchin_tf.cli import bench, interleaved
+
+    plain_calls = []
+
+    def plain_run(model, batch, link, steps, device):
+        plain_calls.append(steps)
+        return {"median_step_s": 1.0, "settled_median_step_s": 1.0, "link": link, "peak_bytes": 100 * MiB,
+                "persistent_bytes": 10 * MiB, "losses_hex": [float.hex(float(i)) for i in range(steps)],
+                "variables_sha256": f"after {steps}", "steal_share": 0.0}
+
+    def worker(losses, sha, left_out=False):
+        per = {"ok": True, "error": None, "steps": 3, "step_s": [2.0, 1.0, 1.0], "phases": ["measured", "guided",
+               "guided"], "median_step_s": 1.0, "evicted_on_demand_bytes": [0, 0, 0], "late_prefetches": [0, 0, 0],
+               "round_s": {"0": 1.0},
+               "peak_bytes": MiB, "replans": 0, "swapped_tensors": 1, "recomputed_tensors": 0}
+        other = dict(per, ok=not left_out, error="CapuchinError: out of memory" if left_out else None)
+        return lambda sub, args, mb: {"losses_hex": losses, "variables_sha256": sha, "order": [],
+                                      "per_policy": {"capuchin": per, "swap-only": other}}
+
+    monkeypatch.setattr(bench, "plain_run", plain_run)
+    good = [float.hex(float(i)) for i in range(6)]
+    monkeypatch.setattr(interleaved, "run_worker", worker(good, "after 6"))
+    assert interleaved.interleaved_point("mlp", 8, ["capuchin", "swap-only"], "p100", 1, budget_mb=40,
+                                         echo=lambda *_: None)["bitwise_equal"] is True
+    monkeypatch.setattr(interleaved, "run_worker", worker(good[:4] + ["0x1.8p+2"] + good[5:], "after 6"))
+    assert interleaved.interleaved_point("mlp", 8, ["capuchin", "swap-only"], "p100", 1, budget_mb=40,
+                                         echo=lambda *_: None)["bitwise_equal"] is False
+    plain_calls.clear()
+    monkeypatch.setattr(interleaved, "run_worker", worker(good[:5], "after 5", left_out=True))
+    data = interleaved.interleaved_point("mlp", 8, ["capuchin", "swap-only"], "p100", 1, budget_mb=40,
+                                         echo=lambda *_: None)
+    assert plain_calls == [6, 5] and data["bitwise_equal"] is True
+    assert data["rows"][1]["error"] == "CapuchinError: out of memory" and not data["rows"][1]["ok"]
+    assert data["rows"][0]["rounds_paired"] == 1 and data["rows"][0]["median_round_ratio"] == 1.0

@@ -386,8 +386,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     maxbatch.add_argument("--steps", type=int, default=6, help="steps per trial (default 6; the last 3 must be "
                                                                 "clean)")
     maxbatch.add_argument("--json", required=True, help="where to write the result")
-    from capuchin_tf.cli import suite
+    from capuchin_tf.cli import interleaved, suite
 
+    interleaved.add_arguments(sub.add_parser(
+        "interleaved", help="policies in turn in one fresh process on a device of the budget's size, every step bit "
+                            "for bit with plain TensorFlow: their steps without the spread between processes"))
     suite.add_arguments(sub.add_parser(
         "suite", help="the paper's tables: throughput per policy at one budget, the largest batch per policy, the "
                       "decorator at plain TensorFlow's largest batch; fresh process and bit check per point"))
@@ -637,6 +640,10 @@ def _run(a: argparse.Namespace) -> int:
         from capuchin_tf.cli import suite
 
         return suite.run(a)
+    if a.action == "interleaved":
+        from capuchin_tf.cli import interleaved
+
+        return interleaved.run(a)
     if a.action == "host-store":
         return host_store_bench.run(a)
     if a.action == "plan-table":
@@ -740,3 +747,4 @@ register_subcommand("bench", _add_arguments, _run,
                          "(plan-table, plan-speed)")
 register_subcommand("bench-worker", _add_worker_arguments, _run_worker, hidden=True,
                     help="(internal) one run of `bench` in a fresh process")
+from capuchin_tf.cli import interleaved as _interleaved  # noqa: E402,F401  (registers its worker subcommand)

@@ -1,7 +1,7 @@
 """`python -m capuchin_tf bench suite`: the paper's tables as one command (benchmarks.md, "Figures reported").
 
     python -m capuchin_tf bench suite --tier quick|standard|paper [--models a,b] [--policies p,q]
-        [--sections throughput,maxbatch,decorator] [--link p100] [--fraction 0.5] [--steps 8] --out DIR
+        [--sections throughput,maxbatch,decorator,interleaved] [--link p100] [--fraction 0.5] [--steps 8] --out DIR
 
 Every point is a fresh process (cli/common.run_worker) and every point is compared bit for bit with plain TensorFlow
 at the same model, batch and steps (bench.equal_point). Sections, per model of the tier:
@@ -19,6 +19,9 @@ at the same model, batch and steps (bench.equal_point). Sections, per model of t
   next smaller one that ran in the search is re-run (MAXBATCH_RECHECKS at most).
 - ``decorator``: capuchin under the same budget at plain TensorFlow's largest batch and at +20%, with the plan it
   made there (a point whose plan is empty says so: it measures the pinned order and the pool, not a saving).
+- ``interleaved``: the throughput section's budget and batch, every policy in turn in one fresh process
+  (cli/interleaved.py; not in the default sections): their steps without the spread between processes, the whole
+  run bit for bit with plain TensorFlow.
 
 Written into --out: one JSON per point (``<section>-<model>-b<batch>-<policy>-<link>.json``), ``suite.json`` (every
 row, stamped with commit, date and machine, rewritten after every point), ``suite.md`` (the tables) and, with
@@ -40,7 +43,8 @@ from capuchin_tf.cli.common import CliError, git_commit, machine, run_worker, wh
 from capuchin_tf.core.budget import MiB, fraction_budget_mb
 from capuchin_tf.core.device_model import LINK_NAMES
 
-SECTIONS = ("throughput", "maxbatch", "decorator")
+SECTIONS = ("throughput", "maxbatch", "decorator", "interleaved")
+DEFAULT_SECTIONS = ("throughput", "maxbatch", "decorator")
 POLICY_ORDER = ("tf", "checkpoint", "swap-all", "swap-only", "recompute-only", "capuchin")
 #: The batch of the throughput section, per model: the quick tier's test batches, the standard and paper tiers' usual
 #: benchmark batches (docs/results.md).
@@ -63,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", help="comma-separated models of the tier (default: all of them)")
     p.add_argument("--policies", default=",".join(POLICY_ORDER[1:]),
                    help="comma-separated policies (default: every registered one but tf, which runs anyway)")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                   help=f"comma-separated, of {', '.join(SECTIONS)} (default {','.join(DEFAULT_SECTIONS)})")
     p.add_argument("--link", default="p100", help="link regime: native or p100 (default p100)")
     p.add_argument("--fraction", type=float, default=0.5,
                    help="throughput section: budget = persistent + this fraction of the transient peak (default 0.5)")
@@ -88,14 +93,16 @@ class Suite:
                      "fraction": a.fraction, "steps": a.steps, "rounds": getattr(a, "rounds", 1), "models": models,
                      "policies": policies,
                      "sections": sections, "command": " ".join(["python -m capuchin_tf", *sys.argv[1:]]),
-                     "throughput": [], "maxbatch": [], "decorator": []}
+                     "throughput": [], "maxbatch": [], "decorator": [], "interleaved": []}
 
-    def point(self, section: str, row: dict, raw: dict | None = None) -> None:
+    def point(self, section: str, row: dict, raw: dict | None = None, what: str | None = None) -> None:
+        """`row` into `section`'s table; `raw` written beside as `<section>-<model>-b<batch>-<what>-<link>.json`
+        (`what`: the row's policy unless given)."""
         import datetime
 
         self.data["date"] = datetime.date.today().isoformat()
         if raw is not None:
-            name = f"{section}-{row['model']}-b{row['batch']}-{row['policy']}-{self.a.link}.json"
+            name = f"{section}-{row['model']}-b{row['batch']}-{what or row['policy']}-{self.a.link}.json"
             (self.out / name).write_text(json.dumps({"commit": self.data["commit"], **raw}, indent=1))
             row["json"] = name
         self.data[section].append(row)
@@ -185,6 +192,8 @@ def run(a: argparse.Namespace) -> int:
             all_equal &= _throughput(suite, bench, model, policies)
         if "maxbatch" in sections or "decorator" in sections:
             all_equal &= _maxbatch(suite, bench, model, policies, sections)
+        if "interleaved" in sections:
+            all_equal &= _interleaved(suite, model, policies)
     plots = plot(suite.data, out)
     print(markdown(suite.data))
     print(f"suite written to {out / 'suite.json'} and {out / 'suite.md'}"
@@ -234,6 +243,21 @@ def _throughput(suite: Suite, bench, model: str, policies: list[str]) -> bool:
                     plain_deterministic=deterministic)
         suite.point("throughput", _row(data), data)
     return ok and deterministic
+
+
+def _interleaved(suite: Suite, model: str, policies: list[str]) -> bool:
+    """The policies in turn in one process at the throughput section's budget and batch (cli/interleaved.py), each
+    with as many steps as a throughput point: its measured step, its first guided step and --steps - 2 rounds."""
+    from capuchin_tf.cli import interleaved
+
+    a = suite.a
+    batch = SUITE_BATCH[model]
+    order = ["capuchin", *(p for p in policies if p != "capuchin")] if "capuchin" in policies else policies
+    print(f"== interleaved: {model} b{batch}, {', '.join(order)} in one process ...", flush=True)
+    data = interleaved.interleaved_point(model, batch, order, a.link, max(a.steps - 2, 1), fraction=a.fraction)
+    for i, row in enumerate(data["rows"]):
+        suite.point("interleaved", row, data if i == 0 else None, what="policies")
+    return data["bitwise_equal"]
 
 
 def against_best_baseline(rows: list[dict]) -> list[dict]:
@@ -412,6 +436,16 @@ def markdown(data: dict) -> str:
                              f"{c['baseline_s']:.3f} | {c['difference']:+.1%} | {_rounds(c['capuchin_rounds'])} / "
                              f"{_rounds(c['baseline_rounds'])} |")
             lines.append("")
+    if data.get("interleaved"):
+        from capuchin_tf.cli import interleaved
+
+        lines += [f"## Policies in turn in one process ({data['steps']} steps each)", "",
+                  "Every policy's managed step in one fresh process on a device of the budget's size (the throughput "
+                  "section's budget and batch): each policy's measured step and first guided step, then rounds of "
+                  "one step each, the order rotated; each step continues from the variables the step before left, "
+                  "and the whole run is checked bit for bit against plain TensorFlow's run of as many steps. Median "
+                  "step from the first guided step on, against capuchin's: one process, so without the 15-40% "
+                  "spread between processes (cli/interleaved.py).", "", *interleaved.table(data["interleaved"]), ""]
     if data["maxbatch"]:
         lines += ["## Largest batch", "",
                   "| model | budget MiB | policy | largest batch | vs tf | first failing | bit for bit at it |",

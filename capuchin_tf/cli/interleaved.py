@@ -1,0 +1,258 @@
+"""Policies in turn in one process: `bench interleaved` and the suite's `interleaved` section.
+
+    python -m capuchin_tf bench interleaved --model resnet50 --batch 32 --transient-fraction 0.5 \
+        --policies capuchin,swap-only,recompute-only,checkpoint,swap-all --link p100 --rounds 6 --json out.json
+
+One process can run the same plan 15-40% slower than another on the shared 2-core machine, with nothing stolen
+(docs/decisions.md, "A suite point is the run of the median step of its rounds"): fresh processes per policy cannot
+tell apart policies within issue 16's 3%. Here every policy's managed step wraps the same training step in one fresh
+process on a device of the budget's size (its fragmentation is the device's, as in the throughput section): each
+policy's measured step and first guided step, then `rounds` rounds in which every policy that still runs takes one
+step, the order rotated from round to round, so that a slow spell of the machine falls on every policy alike.
+
+Each step continues from the variables the step before left, whichever policy ran it: plain TensorFlow's run of as
+many steps (a fresh process on a device it fits) must give every loss and the final variables bit for bit. A policy
+whose step fails is left out from then on, with its error: passive mode's rescue is off, as in the suite's throughput
+section (a step passive mode would have to rescue means the policy does not run at this budget), and a managed step
+that fails leaves the variables as they were, so the run goes on. The link (p100) is clocked by plain TensorFlow's
+step for every policy (bench.link_clock), as in the suite.
+
+Per policy: the median of its steps from its first guided step on (its measured step left out, as the suite's
+"median of steps 2-8"), against capuchin's; paired by round (each policy ran once in each), the median of its step
+over capuchin's and in how many rounds capuchin's was the faster; its re-plans, the bytes its steps evicted on demand
+and its plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import statistics
+import time
+
+from capuchin_tf.cli.common import CliError, register_subcommand, run_worker, whole_mib
+from capuchin_tf.core.budget import MiB
+
+#: The policies `bench interleaved` compares by default: capuchin first (the others' medians are set against its).
+DEFAULT_POLICIES = ("capuchin", "swap-only", "recompute-only", "checkpoint", "swap-all")
+
+
+# ---- the worker (runs inside the fresh process) ----------------------------------------------------------------------
+def _add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--budget-mb", type=whole_mib, required=True)
+    p.add_argument("--policies", required=True)
+    p.add_argument("--link", required=True)
+    p.add_argument("--link-clock-s", type=float, default=None)
+    p.add_argument("--rounds", type=int, required=True)
+    p.add_argument("--result", required=True)
+
+
+def _run_worker(a: argparse.Namespace) -> int:
+    import tensorflow as tf
+
+    import capuchin_tf  # installs the allocator wrapper before the first op
+    from capuchin_tf.cli import models
+    from capuchin_tf.cli.common import machine
+    from capuchin_tf.frontend import decorator
+    from capuchin_tf.runtime.errors import oom_line
+    from capuchin_tf.tf.simulated_device import DEVICE
+
+    budget = a.budget_mb * MiB
+    policies = [p for p in a.policies.split(",") if p]
+    setup = models.build(a.model, a.batch)
+    steps = {p: decorator.wrap_step(setup.train_step, decorator.make_options(
+        budget, policy=p, link=a.link, link_clock_s=a.link_clock_s, passive_rescue=False)) for p in policies}
+    record: list[dict] = []  # every step that completed, in the order they ran
+    errors: dict[str, str] = {}
+
+    def call(policy: str, round_: int | None = None) -> None:
+        managed = steps[policy]
+        tf.config.experimental.reset_memory_stats(DEVICE)
+        t0 = time.perf_counter()
+        try:
+            loss = managed(*setup.inputs)
+        except (tf.errors.ResourceExhaustedError, capuchin_tf.CapuchinError) as e:
+            # (a managed step that fails restores what it may have written: the run goes on without this policy)
+            errors[policy] = f"{type(e).__name__}: {oom_line(e)}"
+            print(f"  {policy}: {errors[policy]}", flush=True)
+            return
+        seconds = time.perf_counter() - t0
+        step = next(iter(managed.report().values()))["steps"][-1]
+        record.append({"policy": policy, "round": round_, "seconds": seconds, "loss_hex": float.hex(float(loss)),
+                       "phase": step["phase"], "late_prefetches": step["late_prefetches"],
+                       "evicted_on_demand_bytes": step.get("passive_evicted_bytes", 0) if step["phase"] == "guided"
+                       else 0, "peak_bytes": tf.config.experimental.get_memory_info(DEVICE)["peak"]})
+        print(f"  {policy} ({step['phase']}): {seconds:.3f} s", flush=True)
+
+    for policy in policies:
+        for _ in range(2):  # the measured step and the first guided step
+            if policy not in errors:
+                call(policy)
+    for r in range(a.rounds):
+        running = [p for p in policies if p not in errors]
+        if not running:
+            break
+        shift = r % len(running)
+        for policy in running[shift:] + running[:shift]:
+            call(policy, r)
+    per_policy = {}
+    for policy in policies:
+        mine = [s for s in record if s["policy"] == policy]
+        timed = [s["seconds"] for s in mine[1:]]
+        report = next(iter(steps[policy].report().values()), None)
+        per_policy[policy] = {
+            "ok": policy not in errors, "error": errors.get(policy), "steps": len(mine), "step_s": [s["seconds"] for s
+                                                                                                   in mine],
+            "phases": [s["phase"] for s in mine], "median_step_s": statistics.median(timed) if timed else None,
+            "round_s": {s["round"]: s["seconds"] for s in mine if s["round"] is not None},
+            "evicted_on_demand_bytes": [s["evicted_on_demand_bytes"] for s in mine],
+            "late_prefetches": [s["late_prefetches"] for s in mine],
+            "peak_bytes": max((s["peak_bytes"] for s in mine[1:]), default=None),
+            **({k: report[k] for k in ("replans", "swapped_tensors", "swapped_bytes", "recomputed_tensors",
+                                       "recomputed_bytes", "plan_fallback")} if report else {})}
+    result = {"model": a.model, "batch": a.batch, "budget_mb": a.budget_mb, "link": a.link,
+              "link_clock_s": a.link_clock_s, "rounds": a.rounds, "policies": policies, "machine": machine(),
+              "tf_version": tf.__version__, "order": [s["policy"] for s in record],
+              "losses_hex": [s["loss_hex"] for s in record], "variables_sha256": setup.variables_sha256(),
+              "per_policy": per_policy}
+    pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+# ---- the parent ------------------------------------------------------------------------------------------------------
+def interleaved_point(model: str, batch: int, policies: list[str], link: str, rounds: int,
+                      budget_mb: int | None = None, fraction: float | None = None, echo=None) -> dict:
+    """The run described in the module docstring, at `budget_mb` or at persistent + `fraction` x plain TensorFlow's
+    transient peak: plain TensorFlow first (its peak, its step for the link's clock, and the losses of as many steps
+    as the run will take), then the policies in one process, then their steps checked bit for bit against plain's.
+    What `bench interleaved` writes and the suite's `interleaved` section records."""
+    from capuchin_tf.cli import bench
+    from capuchin_tf.cli.suite import BIG_DEVICE_MB
+    from capuchin_tf.core.budget import fraction_budget_mb
+
+    echo = echo or functools.partial(print, flush=True)
+    total = (2 + rounds) * len(policies)
+    echo(f"  plain TensorFlow, {total} steps on {BIG_DEVICE_MB} MiB ...")
+    plain = bench.plain_run(model, batch, link, total, BIG_DEVICE_MB)
+    if budget_mb is None:
+        budget_mb = fraction_budget_mb(plain["persistent_bytes"], plain["peak_bytes"], fraction)
+    clock = bench.link_clock(plain)
+    echo(f"  {', '.join(policies)} in turn, {rounds} rounds, on {budget_mb} MiB ...")
+    args = ["--model", model, "--batch", str(batch), "--budget-mb", str(budget_mb), "--policies", ",".join(policies),
+            "--link", link, "--rounds", str(rounds)]
+    if clock is not None:
+        args += ["--link-clock-s", repr(clock)]
+    run = run_worker("interleaved-worker", args, budget_mb)
+    steps = len(run["losses_hex"])
+    if steps == total:
+        same_variables = run["variables_sha256"] == plain["variables_sha256"]
+    else:  # a policy was left out: plain TensorFlow's run of as many steps as were taken has the variables to match
+        echo(f"  plain TensorFlow again, {steps} steps (a policy was left out) ...")
+        same_variables = run["variables_sha256"] == bench.plain_run(model, batch, link, steps,
+                                                                  BIG_DEVICE_MB)["variables_sha256"]
+    equal = run["losses_hex"] == plain["losses_hex"][:steps] and same_variables
+    mine = run["per_policy"].get("capuchin", {}).get("median_step_s")
+    capuchin_rounds = run["per_policy"].get("capuchin", {}).get("round_s", {})
+    rows = []
+    for policy in policies:
+        p = run["per_policy"][policy]
+        # Paired by round (every policy ran once in it): capuchin's step over this policy's, and in how many rounds
+        # capuchin's was the faster.
+        paired = [(capuchin_rounds[r], s) for r, s in p["round_s"].items() if r in capuchin_rounds]
+        rows.append({"model": model, "batch": batch, "policy": policy, "budget_mb": budget_mb, "link": link,
+                     "ok": p["ok"], "error": p["error"], "median_step_s": p["median_step_s"],
+                     "vs_capuchin": p["median_step_s"] / mine if mine and p["median_step_s"] else None,
+                     "rounds_paired": len(paired), "rounds_capuchin_faster": sum(c < s for c, s in paired),
+                     "median_round_ratio": statistics.median(s / c for c, s in paired) if paired else None,
+                     "plain_median_step_s": plain["median_step_s"], "steps": p["steps"],
+                     "replans": p.get("replans"), "swapped_tensors": p.get("swapped_tensors"),
+                     "recomputed_tensors": p.get("recomputed_tensors"), "plan_fallback": p.get("plan_fallback"),
+                     "evicted_on_demand_bytes": max(p["evicted_on_demand_bytes"][1:], default=0),
+                     "peak_bytes": p["peak_bytes"], "bitwise_equal": equal})
+    return {"model": model, "batch": batch, "budget_mb": budget_mb, "link": link, "link_clock_s": clock,
+            "rounds": rounds, "policies": policies, "steps": steps, "bitwise_equal": equal, "rows": rows,
+            "plain": {k: plain[k] for k in ("median_step_s", "peak_bytes", "persistent_bytes", "losses_hex",
+                                            "variables_sha256", "steal_share")},
+            "run": run}
+
+
+def table(rows: list[dict]) -> list[str]:
+    """Markdown lines: each policy's median step and its ratio to capuchin's, per model (no TensorFlow)."""
+    lines = ["| model | batch | budget MiB | policy | median step s | vs capuchin | by round: median ratio, capuchin "
+             "faster | re-plans | evicted on demand MiB (most a step) | peak MiB | swapped / recomputed tensors | run "
+             "bit for bit |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        step = f"{r['median_step_s']:.3f}" if r["median_step_s"] else f"- ({r['error']})"
+        ratio = f"{r['vs_capuchin']:.3f}" if r["vs_capuchin"] else "-"
+        peak = f"{r['peak_bytes'] / MiB:.1f}" if r["peak_bytes"] else "-"
+        paired = (f"{r['median_round_ratio']:.3f}, {r['rounds_capuchin_faster']} of {r['rounds_paired']}"
+                  if r.get("median_round_ratio") and r["policy"] != "capuchin" else "-")
+        lines.append(f"| {r['model']} | {r['batch']} | {r['budget_mb']} | {r['policy']} | {step} | {ratio} | "
+                     f"{paired} | "
+                     f"{r['replans'] if r['replans'] is not None else '-'} | "
+                     f"{r['evicted_on_demand_bytes'] / MiB:.1f} | {peak} | {r['swapped_tensors'] or 0} / "
+                     f"{r['recomputed_tensors'] or 0} | {'yes' if r['bitwise_equal'] else 'NO'} |")
+    return lines
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", type=int, required=True)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--budget-mb", type=whole_mib, help="the budget and the device's size, MiB")
+    which.add_argument("--transient-fraction", type=float,
+                       help="budget = persistent + this fraction of plain TensorFlow's transient peak")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help=f"comma-separated, capuchin first for the ratios (default {','.join(DEFAULT_POLICIES)})")
+    p.add_argument("--link", default="p100", help="link regime: native or p100 (default p100)")
+    p.add_argument("--rounds", type=int, default=6, help="rounds after each policy's first two steps (default 6)")
+    p.add_argument("--json", required=True, help="where to write the result")
+
+
+def run(a: argparse.Namespace) -> int:
+    from capuchin_tf.cli.common import git_commit
+    from capuchin_tf.cli.models import MODELS
+    from capuchin_tf.core.device_model import LINK_NAMES
+    from capuchin_tf.policy import POLICIES
+
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES or p == "tf"]
+    if not policies or bad:
+        raise CliError(f"--policies takes capuchin_tf's policies (not tf: plain TensorFlow does not fit the budget); "
+                       f"got {a.policies!r}; valid: {', '.join(sorted(set(POLICIES) - {'tf'}))}")
+    if a.model not in MODELS:
+        raise CliError(f"unknown model {a.model!r}; valid models: {', '.join(MODELS)}")
+    if a.link not in LINK_NAMES:
+        raise CliError(f"unknown link {a.link!r}; valid links: {', '.join(LINK_NAMES)}")
+    if a.rounds < 1:
+        raise CliError(f"--rounds must be at least 1, got {a.rounds}")
+    if a.transient_fraction is not None and not 0.0 < a.transient_fraction <= 1.0:
+        raise CliError(f"--transient-fraction must be in (0, 1], got {a.transient_fraction}")
+    if not pathlib.Path(a.json).parent.is_dir():
+        raise CliError(f"cannot write {a.json}: {pathlib.Path(a.json).parent} is not a directory")
+    print(f"bench interleaved: {a.model}, batch {a.batch}, link {a.link} ...", flush=True)
+    data = interleaved_point(a.model, a.batch, policies, a.link, a.rounds, budget_mb=a.budget_mb,
+                             fraction=a.transient_fraction)
+    import datetime
+
+    data = {"commit": git_commit(), "date": datetime.date.today().isoformat(),
+            "command": "python -m capuchin_tf bench interleaved " + " ".join(_argv_after("interleaved")), **data}
+    pathlib.Path(a.json).write_text(json.dumps(data, indent=1))
+    print("\n".join(table(data["rows"])))
+    print(f"  every step bit for bit with plain TensorFlow's run of {data['steps']} steps: "
+          f"{'yes' if data['bitwise_equal'] else 'NO'}; result written to {a.json}")
+    return 0 if data["bitwise_equal"] else 1
+
+
+def _argv_after(word: str) -> list[str]:
+    import sys
+
+    return sys.argv[sys.argv.index(word) + 1:] if word in sys.argv else []
+
+
+register_subcommand("interleaved-worker", _add_worker_arguments, _run_worker, hidden=True,
+                    help="(internal) the policies of `bench interleaved` in one fresh process")
