@@ -239,7 +239,9 @@ def test_policies_in_turn_in_one_process_bit_for_bit(tmp_path):
     assert list(rows) == ["capuchin", "swap-only"]  # capuchin first: the others are set against it
     for r in rows.values():
         assert r["ok"] and r["bitwise_equal"] is True and r["steps"] == 4 and r["median_step_s"] > 0
-        assert r["peak_bytes"] <= r["budget_mb"] * MiB  # (the device is the budget's size: a record, not a check)
+        # (no check of the peak against the budget: the device is the budget's size, so it would hold by itself;
+        # tests/test_quick_tier.py checks budgets on a device twice their size)
+        assert r["peak_bytes"] > 0 and r["replans"] is not None
     assert rows["capuchin"]["vs_capuchin"] == 1.0
     # paired by round: each policy ran once in each of the 2 rounds
     assert rows["swap-only"]["rounds_paired"] == 2 and 0 <= rows["swap-only"]["rounds_capuchin_faster"] <= 2
