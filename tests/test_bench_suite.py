@@ -248,9 +248,10 @@ def test_policies_in_turn_in_one_process_bit_for_bit(tmp_path):
     raw = json.loads((out / data["interleaved"][0]["json"]).read_text())
     assert raw["steps"] == 8 and len(raw["run"]["losses_hex"]) == 8
     assert raw["run"]["losses_hex"] == raw["plain"]["losses_hex"]
-    # the order: each policy's measured and first guided step, then rounds with the order rotated
-    assert raw["run"]["order"] == ["capuchin"] * 2 + ["swap-only"] * 2 + ["capuchin", "swap-only", "swap-only",
-                                                                          "capuchin"]
+    # the order: each policy's measured and first guided step, then rounds of one step each, in a seeded order
+    order = raw["run"]["order"]
+    assert order[:4] == ["capuchin"] * 2 + ["swap-only"] * 2 and sorted(order[4:6]) == sorted(order[6:]) == [
+        "capuchin", "swap-only"]
     assert raw["link_clock_s"] == raw["run"]["link_clock_s"] > 0  # one p100 link, clocked by plain's step
     assert "## Policies in turn in one process" in (out / "suite.md").read_text()
 

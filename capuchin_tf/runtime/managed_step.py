@@ -118,7 +118,18 @@ _PROCESS_LOCK = threading.RLock()
 # Background builds still running at exit are waited for (a thread stopped inside TensorFlow's importer can crash the
 # interpreter's shutdown).
 _BUILDS: weakref.WeakSet = weakref.WeakSet()
-atexit.register(lambda: [thread.join() for thread in list(_BUILDS)])
+
+
+def wait_for_builds() -> float:
+    """Waits until no plan change of any managed step is being built in the background; the seconds waited (what
+    `bench interleaved` keeps out of the next policy's step: a build otherwise shares the machine with it)."""
+    t0 = time.perf_counter()
+    for thread in list(_BUILDS):
+        thread.join()
+    return time.perf_counter() - t0
+
+
+atexit.register(wait_for_builds)
 # While a build runs, the interpreter hands the GIL over after this many seconds instead of its default 5 ms: the
 # step's thread takes it back after each TensorFlow call, hundreds of times a step (the host snapshot's reads, the
 # host store's counters), and at 5 ms a wait that is most of a short step (docs/decisions.md, "Plan changes off the
