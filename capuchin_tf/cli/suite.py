@@ -442,7 +442,8 @@ def markdown(data: dict) -> str:
         lines += [f"## Policies in turn in one process ({data['steps']} steps each)", "",
                   "Every policy's managed step in one fresh process on a device of the budget's size (the throughput "
                   "section's budget and batch): each policy's measured step and first guided step, then rounds of "
-                  "one step each, the order rotated; each step continues from the variables the step before left, "
+                  "one step each in a new seeded order every round, a plan change built in the background waited for "
+                  "after its step; each step continues from the variables the step before left, "
                   "and the whole run is checked bit for bit against plain TensorFlow's run of as many steps. Median "
                   "step from the first guided step on, against capuchin's: one process, so without the 15-40% "
                   "spread between processes (cli/interleaved.py).", "", *interleaved.table(data["interleaved"]), ""]

@@ -120,24 +120,20 @@ def call_config(edit: Callable[[config_pb2.ConfigProto], None]) -> Iterator[None
 
 def _instantiate(ctx, manager, concrete, args, flush):
     """Calls `concrete` under an already cancelled `manager` with run metadata on: its optimized graphs."""
-    with INSTANTIATION_LOCK:
-        return _instantiate_locked(ctx, manager, concrete, args, flush)
-
-
-def _instantiate_locked(ctx, manager, concrete, args, flush):
-    ctx.enable_run_metadata()
-    try:
-        ctx.export_run_metadata()  # drop anything collected before this call
+    with INSTANTIATION_LOCK:  # no other thread's instantiation in this call's metadata
+        ctx.enable_run_metadata()
         try:
-            manager.get_cancelable_function(concrete)(*args)
-        except tf.errors.CancelledError:
-            pass
-        else:
-            raise CaptureError("the step ran although it was cancelled before its start")
-        tf.identity(flush)  # an executed eager op hands the graphs collected at instantiation to the run metadata
-        return ctx.export_run_metadata()
-    finally:
-        ctx.disable_run_metadata()
+            ctx.export_run_metadata()  # drop anything collected before this call
+            try:
+                manager.get_cancelable_function(concrete)(*args)
+            except tf.errors.CancelledError:
+                pass
+            else:
+                raise CaptureError("the step ran although it was cancelled before its start")
+            tf.identity(flush)  # an executed eager op hands the graphs collected at instantiation to the run metadata
+            return ctx.export_run_metadata()
+        finally:
+            ctx.disable_run_metadata()
 
 
 def run_with_post_optimization_graph(call, names: Collection[str]):
