@@ -60,6 +60,33 @@ def test_the_measured_step_beside_the_prediction_and_the_lower_bound():
     assert prediction_line(c) == "step predicted 1.25x plain (lower bound 1.10x)"
 
 
+def test_the_prediction_on_the_trace_clock_and_the_predictions_command(tmp_path, capsys):
+    # the planner's own seconds: the predicted ratio times the step of the trace it simulated, set beside the step
+    plain, managed = _runs(1.5, 2.0, [300 * MiB, 120 * MiB, 110 * MiB], {**PREDICTION, "trace_step_s": 1.2})
+    c = against_prediction(plain, managed)
+    assert c["measured_step_s"] == pytest.approx(1.5) and c["trace_clock_ratio"] == pytest.approx(1.2)
+    assert c["predicted_trace_clock_s"] == pytest.approx(1.5) and c["step_prediction_error_trace_clock"] == 0.0
+    assert c["step_prediction_error"] == pytest.approx(0.2)  # against plain's step, as before
+    assert "on the trace's clock 1.500 s predicted, +0%" in prediction_line(c)
+    # a point written before the trace-clock figures: the command derives them from what the point recorded
+    old = {"ok": True, "model": "cnn", "batch": 128, "link": "p100", "policy": "capuchin",
+           "prediction_timed_over": "settled", "plain_settled_median_step_s": 1.0, "plain_median_step_s": 0.9,
+           "measured_step_ratio": 1.5, "predicted_step_ratio": 1.25, "predicted_step_s": 1.25,
+           "step_prediction_error": 0.2, "managed": {"report": {"prediction": {**PREDICTION, "trace_step_s": 1.6}}}}
+    (tmp_path / "throughput-cnn-b128-capuchin-p100.json").write_text(json.dumps(old))
+    (tmp_path / "throughput-cnn-b128-swap-only-p100.json").write_text(json.dumps({"ok": False}))  # did not run
+    (row,) = suite.predictions([str(tmp_path)])
+    assert row["measured_step_s"] == pytest.approx(1.5) and row["predicted_trace_clock_s"] == pytest.approx(2.0)
+    assert row["step_prediction_error_trace_clock"] == pytest.approx(-0.25)
+    assert main.main(["bench", "predictions", str(tmp_path), "--json", str(tmp_path / "p.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "Within 15%: 0 of 1 against plain's step, 0 of 1 on the trace's clock." in printed
+    assert "| cnn | 128 | p100 | capuchin | 1.500 | 1.250 (+20%) | 1.60 | 2.000 (-25%) |" in printed
+    assert json.loads((tmp_path / "p.json").read_text())["rows"][0]["policy"] == "capuchin"
+    assert main.main(["bench", "predictions", str(tmp_path / "nowhere")]) == 2
+    assert "no such suite directory or point JSON" in capsys.readouterr().err
+
+
 def test_the_plans_own_steps_leave_out_its_instantiation_the_steps_beside_a_build_and_earlier_plans():
     def record(phase="guided", changed=False, retried=0, building=False):
         return {"phase": phase, "plan_changed": changed, "retried": retried, "building": building}
@@ -164,6 +191,11 @@ def test_a_quick_point_bit_for_bit_with_its_prediction(tmp_path, capfd):
         assert row["replans"] >= 1 and row["measured_step_ratio"] is None
     else:
         assert row["measured_step_ratio"] > 0
+        # the same step beside the prediction in the planner's own seconds (the trace's clock)
+        assert row["trace_step_s"] > 0 and row["predicted_trace_clock_s"] == pytest.approx(
+            row["trace_step_s"] * row["predicted_step_ratio"])
+        assert main.main(["bench", "predictions", str(out)]) == 0
+        assert "on the trace's clock." in capfd.readouterr().out
     assert row["settled_peak_bytes"] is None or row["settled_peak_bytes"] <= row["budget_mb"] * MiB
     point = json.loads((out / row["json"]).read_text())
     # the row reports the peaks its run's steps measured

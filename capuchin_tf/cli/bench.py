@@ -35,6 +35,13 @@ when no run is a mismatch or a crash.
     python -m capuchin_tf bench zoo [--cases NAME,...|--ci|--list] [--steps 5] [--fraction 0.5] [--timeout 900]
         [--json docs/results/zoo.json] [--markdown docs/zoo.md]
 
+`predictions` reads suite runs (their throughput points) and prints, per policy, the measured step beside the
+planner's prediction two ways (against_prediction, on_the_trace_clock) and how many are within 15% each way; it runs
+nothing.
+
+    python -m capuchin_tf bench predictions docs/results/suite-DATE-quick-p100 [more suite directories or point
+        JSONs] [--json out.json]
+
 Budgets are MiB (2^20 bytes); a user mistake is exit code 2.
 """
 
@@ -388,6 +395,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     maxbatch.add_argument("--json", required=True, help="where to write the result")
     from capuchin_tf.cli import interleaved, suite
 
+    predictions = sub.add_parser(
+        "predictions", help="the planner's predicted step against the measured one, per policy, from suite runs "
+                            "(two ways: against plain TensorFlow's step and on the trace's own clock)")
+    predictions.add_argument("paths", nargs="+", metavar="PATH", help="suite directories (their throughput-*.json) "
+                                                                      "or point JSONs")
+    predictions.add_argument("--json", help="also write the rows here")
     interleaved.add_arguments(sub.add_parser(
         "interleaved", help="policies in turn in one fresh process on a device of the budget's size, every step bit "
                             "for bit with plain TensorFlow: their steps without the spread between processes"))
@@ -537,6 +550,7 @@ def against_prediction(plain: dict, managed: dict) -> dict:
     predicted_s = plain_s * prediction["predicted_step_ratio"]
     bound_s = plain_s * prediction["lower_bound_ratio"]
     return {
+        **on_the_trace_clock(prediction, step_s, plain_s),
         "prediction_timed_over": timed,
         "measured_step_ratio": step_s / plain_s,
         "predicted_step_ratio": prediction["predicted_step_ratio"],
@@ -555,6 +569,22 @@ def against_prediction(plain: dict, managed: dict) -> dict:
     }
 
 
+def on_the_trace_clock(prediction: dict, step_s: float, plain_s: float) -> dict:
+    """The planner's prediction in its own seconds beside the measured step: the running plan's predicted ratio times
+    the step of the trace it was simulated on (`trace_step_s`: the measured step's ops, re-timed by the first guided
+    step's kernels where the run has feedback; the policy's own process). `step_prediction_error` sets the ratio
+    beside plain TensorFlow's step measured in another process; the two differ by `trace_clock_ratio` (the trace's
+    step over plain's), which is not the schedule's error but how much slower the plan's own kernels ran in that
+    process, under the profiler, than plain's did in its own (docs/decisions.md, "Predictions on the trace's clock").
+    Empty without a trace step."""
+    trace_s = prediction.get("trace_step_s")
+    if not trace_s or not step_s or not plain_s:
+        return {}
+    predicted_s = trace_s * prediction["predicted_step_ratio"]
+    return {"measured_step_s": step_s, "trace_step_s": trace_s, "trace_clock_ratio": trace_s / plain_s,
+            "predicted_trace_clock_s": predicted_s, "step_prediction_error_trace_clock": step_s / predicted_s - 1.0}
+
+
 def prediction_line(c: dict) -> str:
     """One line of `against_prediction`'s figures."""
     if "step_prediction_error" not in c:  # no step ran the plan predicted
@@ -566,6 +596,10 @@ def prediction_line(c: dict) -> str:
     line = (f"step {c['measured_step_ratio']:.2f}x plain (predicted {c['predicted_step_ratio']:.2f}x{moved}, "
             f"{c['step_prediction_error'] * 100:+.0f}%; lower bound {c['lower_bound_ratio']:.2f}x, measured "
             f"{c['overhead_vs_lower_bound']:.2f}x the bound)")
+    if "step_prediction_error_trace_clock" in c:
+        line += (f"; on the trace's clock {c['predicted_trace_clock_s']:.3f} s predicted, "
+                 f"{c['step_prediction_error_trace_clock'] * 100:+.0f}% (the trace's step "
+                 f"{c['trace_clock_ratio']:.2f}x plain's)")
     if c["settled_peak_bytes"]:
         line += (f"; peak {c['settled_peak_bytes'] / MiB:.1f} MiB (predicted {c['predicted_peak_bytes'] / MiB:.1f} "
                  f"MiB, {c['peak_prediction_error'] * 100:+.0f}%)")
@@ -644,6 +678,16 @@ def _run(a: argparse.Namespace) -> int:
         from capuchin_tf.cli import interleaved
 
         return interleaved.run(a)
+    if a.action == "predictions":
+        from capuchin_tf.cli import suite
+
+        rows = suite.predictions(a.paths)
+        if not rows:
+            raise CliError("no throughput point that ran under " + ", ".join(a.paths))
+        print("\n".join(suite.prediction_table(rows)))
+        if a.json:
+            _write(a.json, {"paths": a.paths, "tolerance": suite.PREDICTION_TOLERANCE, "rows": rows})
+        return 0
     if a.action == "host-store":
         return host_store_bench.run(a)
     if a.action == "plan-table":

@@ -137,9 +137,18 @@ def _row(data: dict) -> dict:
             "recomputed_bytes", "replans", "settled", "measured_step_ratio", "predicted_step_ratio",
             "step_prediction_error", "simulated_step_ratio", "on_demand_bytes", "on_demand_from",
             "lower_bound_ratio", "overhead_vs_lower_bound", "predicted_peak_bytes",
-            "settled_peak_bytes", "peak_prediction_error", "plain_runs_median_step_s")
+            "settled_peak_bytes", "peak_prediction_error", "plain_runs_median_step_s", "predicted_step_s",
+            "measured_step_s",
+            "trace_step_s", "trace_clock_ratio", "predicted_trace_clock_s", "step_prediction_error_trace_clock")
     row = {k: data.get(k) for k in keys}
     managed = data.get("managed") or {}
+    if row["trace_step_s"] is None and data.get("measured_step_ratio"):
+        # a point written before bench.on_the_trace_clock: the same figures from what it recorded
+        plain_s = data.get("plain_median_step_s" if data.get("prediction_timed_over") == "after the measured step"
+                           else "plain_settled_median_step_s")
+        prediction = (managed.get("report") or {}).get("prediction") or {}
+        if plain_s and prediction.get("predicted_step_ratio"):
+            row.update(bench.on_the_trace_clock(prediction, data["measured_step_ratio"] * plain_s, plain_s))
     row["phases"] = managed.get("phases")
     # the hypervisor's share of the machine during the timed steps (bench.timed_worker), and how many runs were made
     row["steal_share"] = managed.get("steal_share")
@@ -383,6 +392,58 @@ def reference_budget(bench, model: str, ref: int, link: str) -> int:
 
 
 # ---- tables and plots ------------------------------------------------------------------------------------------------
+PREDICTION_TOLERANCE = 0.15  # issue 16: predicted within 15% of the measured step
+
+
+def prediction_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: each point's measured step beside the planner's prediction two ways (bench.against_prediction,
+    bench.on_the_trace_clock), and how many are within PREDICTION_TOLERANCE each way. Points with nothing measured
+    beside a prediction are left out."""
+    timed = [r for r in rows if r.get("step_prediction_error") is not None]
+    if not timed:
+        return []
+    within = sum(abs(r["step_prediction_error"]) <= PREDICTION_TOLERANCE for r in timed)
+    clocked = [r for r in timed if r.get("step_prediction_error_trace_clock") is not None]
+    within_clock = sum(abs(r["step_prediction_error_trace_clock"]) <= PREDICTION_TOLERANCE for r in clocked)
+    lines = ["Predicted against measured step, two ways: the planner's predicted ratio times plain TensorFlow's step "
+             "(measured in its own process), and the prediction in the planner's own seconds, on the clock of the "
+             "trace it simulated (the measured step re-timed by the first guided step's kernels, in the policy's "
+             "process). They differ by the trace's step over plain's: how much slower the plan's own kernels ran "
+             "there, under the profiler, than plain's in its process (bench.on_the_trace_clock).", "",
+             f"Within {PREDICTION_TOLERANCE:.0%}: {within} of {len(timed)} against plain's step, {within_clock} of "
+             f"{len(clocked)} on the trace's clock.", "",
+             "| model | batch | link | policy | measured s | predicted vs plain: s (error) | trace's step / plain's | "
+             "on the trace's clock: s (error) |", "|---|---|---|---|---|---|---|---|"]
+    for r in timed:
+        lines.append(f"| {r['model']} | {r['batch']} | {r['link']} | {r['policy']} | "
+                     f"{_f(r.get('measured_step_s'), '.3f')} | "
+                     f"{_f(r.get('predicted_step_s'), '.3f')} "
+                     f"({r['step_prediction_error']:+.0%}) | {_f(r.get('trace_clock_ratio'))} | "
+                     f"{_f(r.get('predicted_trace_clock_s'), '.3f')} "
+                     f"({_f(r.get('step_prediction_error_trace_clock'), '+.0%')}) |")
+    return lines
+
+
+def predictions(paths: list[str]) -> list[dict]:
+    """The throughput points under `paths` (suite directories or point JSONs) as suite rows (`_row`), in path order.
+    Raises CliError for a path that is neither."""
+    files = []
+    for p in map(pathlib.Path, paths):
+        if p.is_dir():
+            files += sorted(p.glob("throughput-*.json"))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise CliError(f"{p}: no such suite directory or point JSON")
+    rows = []
+    for f in files:
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise CliError(f"cannot read {f}: {e}") from None
+        if data.get("ok"):
+            rows.append({**_row(data), "file": str(f)})
+    return rows
 def _f(x, fmt: str = ".2f", suffix: str = "") -> str:
     return "-" if x is None else f"{x:{fmt}}{suffix}"
 
@@ -424,6 +485,7 @@ def markdown(data: dict) -> str:
                 f"{' (empty plan)' if r['empty_plan'] else ''} | {r['replans']} | "
                 f"{','.join(p[0] for p in (r['phases'] or []))} | {_stolen(r)} |")
         lines.append("")
+        lines += prediction_table(data["throughput"]) + [""]
         against = against_best_baseline(data["throughput"])
         if against:
             lines += ["Capuchin's median step (steps 2 on, from the first guided step) against the fastest baseline's "
