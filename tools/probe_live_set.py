@@ -11,7 +11,8 @@ tensor's device buffer went, against the simulator's swap-out end.
 
 The simulated device (TF_CPU_BFC_MEM_LIMIT_IN_MB) must be larger than the plan's real peak (twice the budget does).
 `--keep-budget` leaves the budget in place (the steps then evict on demand where the working set passes it). Prints
-the predicted and measured peaks per step and the live set at the record's peak; writes them as JSON, stamped.
+the predicted and measured peaks per step and the live set at the record's peak; writes them as JSON, stamped;
+`--save out.json.gz` also writes the trace and the plan that ran.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> int:
     p.add_argument("--warm", action="store_true", help="one plain step before the managed step (warms the kernels)")
     p.add_argument("--place", action="store_true", help="place by the planned layout (default: record only)")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--save", help="also write the trace and the plan that ran (JSON, gzipped) for offline reading")
     a = p.parse_args()
 
     import tensorflow as tf
@@ -175,6 +177,11 @@ def main() -> int:
               "command": "tools/probe_live_set.py " + " ".join(sys.argv[1:])}
     with open(a.json, "w") as f:
         json.dump(result, f, indent=1)
+    if a.save:
+        import gzip
+
+        with gzip.open(a.save, "wt") as f:
+            json.dump({"trace": state.trace.to_json(), "plan": plan.to_json()}, f)
     return 0
 
 
