@@ -14,7 +14,9 @@
    peak-period rule waived; recomputations; or a chosen swap's in-trigger moved after that op), enough bytes to
    cover the excess, and the plan is simulated again. If nothing is left, the plan is reported not feasible, naming
    the op (or, if an op's working set alone exceeds the budget, that op).
-5. Beyond the paper: replays are moved into idle gaps before their back-access when that hides them and memory
+5. Beyond the paper, on request (``place_within``): the plan's buffers are placed (policy/placement.py) and the
+   allocation that first takes them past the device is covered at the op running then, as a peak is (4.).
+6. Beyond the paper: replays are moved into idle gaps before their back-access when that hides them and memory
    allows (recompute.move_early); kept only if the simulation says the step is faster and the budget holds.
 """
 
@@ -46,6 +48,7 @@ from capuchin_tf.policy.swap import SwapOption, SwapPlanner
 
 HALF_MARGIN = 0.01  # another plan replaces a fitting hybrid plan only when predicted this much cheaper (plan_capuchin)
 PLACED_ROUNDS = 2  # a greedy is planned again at most this often for its placement's needs (plan_capuchin)
+COVER_ROUNDS = 4  # placement covers tried at most this often per plan (hybrid's place_within)
 MAX_SCAN = 16  # swap pairs evaluated per pick when looking for one that covers the predicted peak (64 was
 # slower and no better on the measured ResNet50, bert-4l and BERT-base traces: docs/results.md)
 
@@ -60,7 +63,9 @@ def plan_capuchin(
     its sources on the device where a swap was needed later), or pick a mix its own simulator predicts slower than one
     of its halves; and a plan whose bytes fit can still need more device than the budget once its buffers are placed
     (policy/placement.py), which a guided step pays in copies on demand. So more plans are made: the two halves, the
-    hybrid and each half for the budget less what its placement needs beyond it (``placed``, ``swap-only placed``,
+    hybrid and each half with the allocation that first takes its placement past the budget covered where it is
+    placed (``covered``, ``swap-only covered``, ``recompute-only covered``: `hybrid`'s ``place_within``), the hybrid
+    and each half for the budget less what its placement needs beyond it (``placed``, ``swap-only placed``,
     ``recompute-only placed``), and the checkpoint plan; each is
     costed at its predicted step plus the copies its placed peak over the budget would take (`placed_cost`), and the
     cheapest that fits is returned (the hybrid unless another is more than HALF_MARGIN cheaper; still named
@@ -88,6 +93,12 @@ def plan_capuchin(
                                             recompute=rc, index=index, **options)
         if half:
             others.append((half, made))
+        if made.feasible and made.predicted_placed_peak_bytes > device:
+            # The same greedy with the allocation that first passes the device covered where it is placed.
+            covered = hybrid(trace, budget_bytes, device_model, policy="capuchin", swap=sw, recompute=rc, index=index,
+                             place_within=budget_bytes, **options)
+            if covered.decisions != made.decisions:
+                others.append((f"{half} covered" if half else "covered", covered))
         # The same greedy planned again for the budget less what its placement needs beyond the device.
         for _ in range(PLACED_ROUNDS):
             excess = made.predicted_placed_peak_bytes - device
@@ -504,10 +515,17 @@ def hybrid(
     collective: bool = True,
     early_recompute: bool = True,
     max_rounds: int = 64,
+    place_within: int | None = None,
     index=None,
     _report: dict | None = None,
 ) -> Plan:
-    """Algorithm 1 with the given halves enabled (see the module docstring). Returns a simulated Plan."""
+    """Algorithm 1 with the given halves enabled (see the module docstring). Returns a simulated Plan.
+
+    ``place_within`` (beyond the paper): once the bytes fit, the plan's buffers are placed (policy/placement.py);
+    while the placement passes that many bytes of device (persistent state included), the allocation that first
+    passes it is covered as a peak is: at the op running then, tensors off the device for the bytes it lacked beside
+    the largest free run (`_Hybrid.cover_peak`), and the plan is simulated and placed again, at most COVER_ROUNDS
+    times, while that allocation comes later or needs less."""
     started = time.perf_counter()
     options = dict(
         margin_bytes=margin_bytes,
@@ -550,6 +568,8 @@ def hybrid(
             break
         decisions, sim = _simulate_feasible(trace, h.decisions(), device_model, ctx.idx)
 
+    if place_within is not None and fits(ctx, sim):
+        decisions, sim = _cover_placement(h, ctx, trace, decisions, sim, device_model, place_within)
     if early_recompute and recompute and any(d.kind == "recompute" for d in decisions):
         moved = move_early(ctx, decisions, sim, h.res)
         if moved != decisions:
@@ -564,6 +584,29 @@ def hybrid(
             ):
                 decisions, sim = moved, sim2
     return finalize(ctx, policy, decisions, options=options, started=started, sim=sim, reason=reason)
+
+
+def _cover_placement(h: _Hybrid, ctx, trace, decisions: list, sim, device_model, place_within: int):
+    """`hybrid`'s placement covers (see its ``place_within``): (decisions, simulation) of the last round whose bytes
+    fit; the first ones if no cover was possible."""
+    limit = place_within - trace.persistent_bytes
+    last = None
+    for _ in range(COVER_ROUNDS):
+        over = placement.first_overflow(sim.events, limit)
+        if over is None:
+            break
+        progress = (over.time, -(over.nbytes - over.largest_free))
+        if last is not None and progress <= last:
+            break  # the cover moved nothing later and made nothing smaller: stop
+        last = progress
+        pos = max(bisect.bisect_right(sim.op_start, over.time) - 1, 0)
+        if not h.cover_peak(pos, max(over.nbytes - over.largest_free, over.top - limit)):
+            break
+        covered, covered_sim = _simulate_feasible(trace, h.decisions(), device_model, ctx.idx)
+        if not fits(ctx, covered_sim):
+            break
+        decisions, sim = covered, covered_sim
+    return decisions, sim
 
 
 def _simulate_feasible(trace, decisions: list, device_model, index) -> tuple[list, object]:

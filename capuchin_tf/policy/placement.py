@@ -137,6 +137,38 @@ def live_at(events: Iterable[tuple[float, int, str]], at: float) -> dict[str, in
     return live
 
 
+@dataclasses.dataclass(frozen=True)
+class Overflow:
+    """The first allocation whose placement takes the space past a limit: when, its label and bytes, the space's top
+    after it, and the largest free run below the top just before it (which it did not fit)."""
+
+    time: float
+    label: str
+    nbytes: int
+    top: int
+    largest_free: int
+
+
+def first_overflow(events: Iterable[tuple[float, int, str]], limit_bytes: int,
+                   small_bytes: int = SMALL_BYTES) -> Overflow | None:
+    """The first allocation of `events` (as `place` takes them) that takes the placed space past `limit_bytes`;
+    None if none does."""
+    space = _Space()
+    where: dict[str, tuple[int, int]] = {}
+    for when, delta, key in buffer_events(events):
+        if delta > 0:
+            if delta <= small_bytes:
+                continue
+            n = rounded(delta)
+            largest = max((s for _, s in space.free), default=0)
+            where[key] = space.alloc(n)
+            if space.top > limit_bytes:
+                return Overflow(time=when, label=key, nbytes=n, top=space.top, largest_free=largest)
+        elif key in where:
+            space.release(*where.pop(key))
+    return None
+
+
 def place(events: Iterable[tuple[float, int, str]], small_bytes: int = SMALL_BYTES) -> Placement:
     """Best-fit placement of a step's buffers (`events` as in SimulationResult.events, paired by buffer_events);
     buffers of at most `small_bytes` are left out."""

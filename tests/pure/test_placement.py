@@ -87,3 +87,38 @@ def test_an_eviction_at_the_instant_of_its_production_frees_that_buffer():
     p = place(events)
     assert (p.live_peak, p.extent, p.allocations) == (8 * MB, 8 * MB, 2)
     assert live_at(events, 3) == {"a": 4 * MB, "b": 4 * MB} and live_at(events, 1) == {}
+
+
+def test_the_first_allocation_that_passes_a_limit_is_named_with_the_run_it_did_not_fit():
+    """Two 4 MiB buffers, the first freed: a 6 MiB allocation does not fit the 4 MiB run and takes the space to 14
+    MiB. Under a 12 MiB limit that allocation is the overflow (with the 4 MiB run it did not fit); under 14 MiB none."""
+    from capuchin_tf.policy.placement import first_overflow
+
+    events = [(0, 4 * MB, "a"), (1, 4 * MB, "b"), (2, -4 * MB, "a"), (3, 6 * MB, "c"), (4, 1 * MB, "d")]
+    over = first_overflow(events, 12 * MB)
+    assert (over.label, over.nbytes, over.top, over.largest_free, over.time) == ("c", 6 * MB, 14 * MB, 4 * MB, 3)
+    assert first_overflow(events, 14 * MB) is None
+    assert first_overflow(events, 14 * MB - 1).label == "c"
+
+
+def test_a_plan_whose_placement_passes_the_device_covers_the_allocation_that_passes_it():
+    """synthetic.resnet(2) at persistent + 0.8 of its transient peak: the hybrid's plan fits by bytes and its
+    placement needs more device than the budget. With `place_within` the allocation that first passes the budget is
+    covered where it is placed: one decision more, the bytes still fit, the placement within the budget. A device its
+    placement already fits changes nothing."""
+    from capuchin_tf.policy.hybrid import hybrid
+
+    trace = synthetic.resnet(2)
+    budget = int(trace.persistent_bytes + 0.8 * (trace.replayed_peak_bytes() - trace.persistent_bytes))
+    plain = hybrid(trace, budget, LINK)
+    assert plain.feasible and plain.predicted_placed_peak_bytes > budget
+    covered = hybrid(trace, budget, LINK, place_within=budget)
+    assert covered.feasible and covered.predicted_placed_peak_bytes <= budget
+    assert len(covered.decisions) == len(plain.decisions) + 1
+    roomy = plain.predicted_placed_peak_bytes
+    assert hybrid(trace, budget, LINK, place_within=roomy).decisions == plain.decisions
+    # capuchin's fallback weighs the covered plan with the others (at the device less the placement error) and
+    # takes it here: placed lower than the hybrid, its bytes within the budget
+    chosen = make_plan(trace, budget, "capuchin", LINK, fallback=True)
+    assert dict(chosen.options)["fallback"] == "covered" and chosen.predicted_peak_bytes <= budget
+    assert chosen.predicted_placed_peak_bytes < plain.predicted_placed_peak_bytes
