@@ -77,10 +77,13 @@ def plan_capuchin(
     started = time.perf_counter()
     report: dict = {}
     index = options.pop("index", None) or TraceIndex(trace)
+    # With the fallback the hybrid's placement is covered too (`hybrid`'s place_within): the covered plan is one more
+    # candidate, the plan as without it (report["uncovered"]) the hybrid's own.
     plan = hybrid(
         trace, budget_bytes, device_model, policy="capuchin", swap=True, recompute=True, _report=report, index=index,
-        **options,
+        place_within=budget_bytes if fallback else None, **options,
     )
+    covered_hybrid, plan = plan, report.get("uncovered", plan)
     placement_error_bytes = assumed_placement_error(trace, placement_error_bytes)
     learned = {"placement_error": placement_error_bytes} if placement_error_bytes > 0 else {}
     if not fallback or plan.unreachable_op is not None or report.get("hopeless"):
@@ -89,16 +92,18 @@ def plan_capuchin(
     device = budget_bytes - placement_error_bytes  # what the placement may use
     others = []
     for half, sw, rc in (("", True, True), ("swap-only", True, False), ("recompute-only", False, True)):
-        made = plan if not half else hybrid(trace, budget_bytes, device_model, policy="capuchin", swap=sw,
-                                            recompute=rc, index=index, **options)
         if half:
+            # the greedy, and the same greedy with the allocation that first takes its placement past the budget
+            # covered where it is placed
+            made_report: dict = {}
+            covered = hybrid(trace, budget_bytes, device_model, policy="capuchin", swap=sw, recompute=rc,
+                             index=index, place_within=budget_bytes, _report=made_report, **options)
+            made = made_report.get("uncovered", covered)
             others.append((half, made))
-        if made.feasible and made.predicted_placed_peak_bytes > device:
-            # The same greedy with the allocation that first passes the device covered where it is placed.
-            covered = hybrid(trace, budget_bytes, device_model, policy="capuchin", swap=sw, recompute=rc, index=index,
-                             place_within=budget_bytes, **options)
-            if covered.decisions != made.decisions:
-                others.append((f"{half} covered" if half else "covered", covered))
+        else:
+            made, covered = plan, covered_hybrid
+        if covered.decisions != made.decisions:
+            others.append((f"{half} covered" if half else "covered", covered))
         # The same greedy planned again for the budget less what its placement needs beyond the device.
         for _ in range(PLACED_ROUNDS):
             excess = made.predicted_placed_peak_bytes - device
@@ -568,22 +573,31 @@ def hybrid(
             break
         decisions, sim = _simulate_feasible(trace, h.decisions(), device_model, ctx.idx)
 
-    if place_within is not None and fits(ctx, sim):
-        decisions, sim = _cover_placement(h, ctx, trace, decisions, sim, device_model, place_within)
-    if early_recompute and recompute and any(d.kind == "recompute" for d in decisions):
-        moved = move_early(ctx, decisions, sim, h.res)
-        if moved != decisions:
-            try:
-                sim2 = simulate(trace, moved, device_model, index=ctx.idx)
-            except InfeasiblePlanError:
-                sim2 = None
-            if (
-                sim2 is not None
-                and sim2.step_time < sim.step_time
-                and sim2.peak_bytes <= max(sim.peak_bytes, ctx.budget - ctx.margin)
-            ):
-                decisions, sim = moved, sim2
-    return finalize(ctx, policy, decisions, options=options, started=started, sim=sim, reason=reason)
+    def finish(decisions, sim) -> Plan:
+        if early_recompute and recompute and any(d.kind == "recompute" for d in decisions):
+            moved = move_early(ctx, decisions, sim, h.res)
+            if moved != decisions:
+                try:
+                    sim2 = simulate(trace, moved, device_model, index=ctx.idx)
+                except InfeasiblePlanError:
+                    sim2 = None
+                if (
+                    sim2 is not None
+                    and sim2.step_time < sim.step_time
+                    and sim2.peak_bytes <= max(sim.peak_bytes, ctx.budget - ctx.margin)
+                ):
+                    decisions, sim = moved, sim2
+        return finalize(ctx, policy, decisions, options=options, started=started, sim=sim, reason=reason)
+
+    if place_within is None or not fits(ctx, sim):
+        return finish(decisions, sim)
+    # The plan as without ``place_within`` first (for a caller that weighs both: `_report["uncovered"]`), then the
+    # same greedy's state carried on by the covers.
+    uncovered = finish(decisions, sim)
+    if _report is not None:
+        _report["uncovered"] = uncovered
+    covered, covered_sim = _cover_placement(h, ctx, trace, decisions, sim, device_model, place_within)
+    return uncovered if covered is decisions else finish(covered, covered_sim)
 
 
 def _cover_placement(h: _Hybrid, ctx, trace, decisions: list, sim, device_model, place_within: int):

@@ -241,7 +241,8 @@ class ManagedStep:
                 # the policy whose plan runs (another than the step's policy after a measured arbitration), and each
                 # trial policy considered -> what came of it (policy.feedback, "measured arbitration")
                 "plan_policy": plan.policy if plan else None,
-                # which of its plans the policy chose (plan_capuchin's fallback: a half, "placed", "checkpoint")
+                # which of its plans the policy chose (plan_capuchin's fallback: a half, "covered", "placed",
+                # "checkpoint")
                 "plan_fallback": dict(plan.options).get("fallback") if plan else None,
                 "trials": dict(st.tried),
                 "placement_error_bytes": st.placement_error,  # learned from the bytes evicted on demand
