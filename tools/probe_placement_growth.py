@@ -25,27 +25,12 @@ def growth(events, small_bytes: int) -> list[dict]:
     bytes, the space's new top, the bytes live, the free runs of at least 1 MiB below the top then."""
     from capuchin_tf.policy import placement
 
-    space = placement._Space()
-    where: dict[str, tuple[int, int, int]] = {}
-    live = top = 0
-    rows = []
-    for when, delta, key in placement.buffer_events(events):
-        if delta > 0:
-            if delta <= small_bytes:
-                continue
-            n = placement.rounded(delta)
-            before = space.top
-            a, taken = space.alloc(n)
-            where[key] = (a, taken, n)
-            live += n
-            if space.top > before and space.top > top:
-                top = space.top
-                rows.append({"time": when, "label": key, "bytes": n, "top": top, "live": live,
-                             "free_runs": sorted((s for _, s in space.free if s >= MiB), reverse=True)})
-        elif key in where:
-            a, taken, n = where.pop(key)
-            space.release(a, taken)
-            live -= n
+    rows, top = [], 0
+    for when, key, n, live, _, space in placement.allocations(events, small_bytes):
+        if space.top > top:
+            top = space.top
+            rows.append({"time": when, "label": key, "bytes": n, "top": top, "live": live,
+                         "free_runs": sorted((s for _, s in space.free if s >= MiB), reverse=True)})
     return rows
 
 

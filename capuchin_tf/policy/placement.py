@@ -149,44 +149,45 @@ class Overflow:
     largest_free: int
 
 
-def first_overflow(events: Iterable[tuple[float, int, str]], limit_bytes: int,
-                   small_bytes: int = SMALL_BYTES) -> Overflow | None:
-    """The first allocation of `events` (as `place` takes them) that takes the placed space past `limit_bytes`;
-    None if none does."""
+def allocations(events: Iterable[tuple[float, int, str]], small_bytes: int = SMALL_BYTES, largest_free: bool = False):
+    """The best-fit replay of a step's buffers (`events` as in SimulationResult.events, paired by buffer_events;
+    buffers of at most `small_bytes` left out), one allocation at a time: (time, label, bytes as placed, bytes live
+    after it, the largest free run just before it (with `largest_free`; else 0), the space just after it: `_Space`,
+    its `top` and `free` runs)."""
     space = _Space()
-    where: dict[str, tuple[int, int]] = {}
+    where: dict[str, tuple[int, int, int]] = {}  # key -> (address, bytes taken, bytes asked)
+    live = 0
     for when, delta, key in buffer_events(events):
         if delta > 0:
             if delta <= small_bytes:
                 continue
             n = rounded(delta)
-            largest = max((s for _, s in space.free), default=0)
-            where[key] = space.alloc(n)
-            if space.top > limit_bytes:
-                return Overflow(time=when, label=key, nbytes=n, top=space.top, largest_free=largest)
+            largest = max((s for _, s in space.free), default=0) if largest_free else 0
+            where[key] = (*space.alloc(n), n)
+            live += n
+            yield when, key, n, live, largest, space
         elif key in where:
-            space.release(*where.pop(key))
+            a, taken, n = where.pop(key)
+            space.release(a, taken)
+            live -= n
+
+
+def first_overflow(events: Iterable[tuple[float, int, str]], limit_bytes: int,
+                   small_bytes: int = SMALL_BYTES) -> Overflow | None:
+    """The first allocation of `events` (as `place` takes them) that takes the placed space past `limit_bytes`;
+    None if none does."""
+    for when, key, n, _, largest, space in allocations(events, small_bytes, largest_free=True):
+        if space.top > limit_bytes:
+            return Overflow(time=when, label=key, nbytes=n, top=space.top, largest_free=largest)
     return None
 
 
 def place(events: Iterable[tuple[float, int, str]], small_bytes: int = SMALL_BYTES) -> Placement:
     """Best-fit placement of a step's buffers (`events` as in SimulationResult.events, paired by buffer_events);
     buffers of at most `small_bytes` are left out."""
-    space = _Space()
-    where: dict[str, tuple[int, int, int]] = {}  # key -> (address, bytes taken, bytes asked)
-    extent = live = live_peak = count = 0
-    for _, delta, key in buffer_events(events):
-        if delta > 0:
-            if delta <= small_bytes:
-                continue
-            n = rounded(delta)
-            where[key] = (*space.alloc(n), n)
-            count += 1
-            live += n
-            live_peak = max(live_peak, live)
-            extent = max(extent, space.top)
-        elif key in where:
-            a, taken, n = where.pop(key)
-            space.release(a, taken)
-            live -= n
+    extent = live_peak = count = 0
+    for _, _, _, live, _, space in allocations(events, small_bytes):
+        count += 1
+        live_peak = max(live_peak, live)
+        extent = max(extent, space.top)
     return Placement(extent=extent, live_peak=live_peak, allocations=count)
