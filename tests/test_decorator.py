@@ -349,6 +349,39 @@ def test_a_measured_step_that_runs_out_of_memory_twice_restores_raises_and_is_me
     assert [s["phase"] for s in report["steps"]] == ["measured"]
 
 
+def test_a_measured_step_whose_graph_came_back_merged_is_restored_and_run_again_its_update_applied_once(monkeypatch):
+    # The measured step ran, but the graph read back with it had another function's merged in (a thread instantiating
+    # functions of its own; capture.MergedGraphError): its trace cannot be taken from that graph. Its writes are
+    # restored and it runs once more: the variable is updated once, the outputs are the plain step's.
+    from capuchin_tf.tf import capture
+
+    v = tf.Variable(1.0)
+
+    @tf.function
+    def f(x):
+        v.assign_add(x)
+        return v * 2.0
+
+    step = capuchin_tf.function(f, memory_budget=1 << 30)
+    real_run = capture.run_with_post_optimization_graph
+    runs = []
+
+    def merged_once(call, names):
+        result = real_run(call, names)  # the step really ran: its update happened
+        runs.append(1)
+        if len(runs) == 1:
+            raise capture.MergedGraphError("the optimized graph TensorFlow returned has another function's graph "
+                                           "merged in (forced)")
+        return result
+
+    monkeypatch.setattr(capture, "run_with_post_optimization_graph", merged_once)
+    assert float(step(tf.constant(1.0))) == 4.0 and float(v) == 2.0
+    assert len(runs) == 2
+    (report,) = step.report().values()
+    assert [s["phase"] for s in report["steps"]] == ["measured"] and report["steps"][0]["retried"] == 1, report
+    assert report["fallback_reason"] is None, report
+
+
 def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_one_that_failed(monkeypatch):
     # The policies are greedy: a plan for a tighter budget can be predicted higher than the plan that failed
     # (docs/decisions.md, "Out of memory in a guided step: tighten, never upward, ..."). Plans are stood in for by

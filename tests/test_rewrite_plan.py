@@ -250,6 +250,7 @@ def test_a_rebuilt_step_is_instantiated_before_its_first_call_without_running_an
 
 
 GRAPH_READ_BESIDE_INSTANTIATIONS = """
+import collections
 import contextlib
 import json
 import os
@@ -257,9 +258,20 @@ import threading
 import tensorflow as tf
 from capuchin_tf.tf import capture, function_surgery
 
-unlocked = os.environ["GRAPH_READ_MODE"] == "unlocked"
-if unlocked:  # what the lock prevents, for the test to see it happen
+mode = os.environ["GRAPH_READ_MODE"]
+if mode == "unlocked":  # what the lock prevents, for the test to see it happen
     capture.INSTANTIATION_LOCK = contextlib.nullcontext()
+counts = collections.Counter()
+merged_graph = capture.merged_graph
+
+
+def counted(graph):  # every read graph checked, and how many were merged before a read again
+    why = merged_graph(graph)
+    counts["detected"] += why is not None
+    return why
+
+
+capture.merged_graph = counted
 v = tf.Variable(tf.ones([64, 64]))
 
 
@@ -275,6 +287,7 @@ def step(x):
 args = (tf.ones([8, 64]),)
 concrete = capture.concrete_step(step, args)
 graph = capture.optimized_graph(concrete, args)
+own = sorted(n.name for n in graph.node)
 specs = function_surgery.arg_specs(args)
 stop = threading.Event()
 
@@ -284,31 +297,52 @@ def build_plans():  # a plan change built in the background instantiates a new f
         function_surgery.preinstantiate(function_surgery.runnable(concrete, graph), specs)
 
 
-thread = threading.Thread(target=build_plans)
-thread.start()
-read, merged = 0, 0
-try:
-    while read < 30 or (unlocked and not merged and read < 200):
-        read += 1
+def users_functions():  # the user's own thread calls functions it has just made (each one instantiated anew)
+    i = 0
+    while not stop.is_set():
+        i += 1
+        k = float(i)
         try:
-            capture.optimized_graph(concrete, args)
-        except capture.CaptureError:  # "has duplicate node names": another instantiation's graph merged in
-            merged += 1
+            tf.function(lambda a: a * k + 1.0)(tf.constant([1.0, 2.0]))
+        except tf.errors.CancelledError:  # TensorFlow's get_cancelable_function cancels every thread's calls
+            counts["user_cancelled"] += 1
+        counts["user_calls"] += 1
+
+
+thread = threading.Thread(target=users_functions if mode == "user-thread" else build_plans)
+thread.start()
+try:
+    while counts["read"] < 30 or (mode == "unlocked" and not counts["detected"] and counts["read"] < 200):
+        counts["read"] += 1
+        try:
+            read = capture.optimized_graph(concrete, args)
+        except capture.MergedGraphError:  # merged in every attempt: a clear error
+            counts["refused"] += 1
+        else:
+            counts["own" if sorted(n.name for n in read.node) == own else "wrong"] += 1
 finally:
     stop.set()
     thread.join()
-print(json.dumps({"read": read, "merged": merged}))
+print(json.dumps(counts))
 """
 
 
-@pytest.mark.parametrize("mode", ["locked", "unlocked"])
+@pytest.mark.parametrize("mode", ["locked", "unlocked", "user-thread"])
 def test_a_graph_read_while_another_thread_instantiates_is_the_steps_own(simulated_device, mode):
     # A plan change built in the background (function_surgery.preinstantiate) while another signature or managed step
     # reads its optimized graph from the context's run metadata (capture.optimized_graph): without the lock the read
     # graph had the other function's nodes merged in (duplicate names; seen on ResNet50 with several managed steps in
-    # one process: the step was refused and ran as plain TensorFlow). Unlocked, the test shows it still happens.
+    # one process: the step was refused and ran as plain TensorFlow). Locked, a graph the collector held from before the
+    # read (the background's, instantiated with run metadata off) is dropped when the read begins (seen in CI: 1 of 30
+    # merged with the lock alone). Unlocked, the test shows merges still happen and are caught (the graph read again).
+    # A user's thread instantiating functions of its own is outside the lock: a merged read is caught and read again,
+    # and the user's calls are not cancelled by the read's cancelled call (TensorFlow's get_cancelable_function sets
+    # one manager for every thread).
     r = simulated_device(GRAPH_READ_BESIDE_INSTANTIATIONS, limit_mb=256, env={"GRAPH_READ_MODE": mode})
-    if mode == "locked":
-        assert r["merged"] == 0, r
+    assert r.get("wrong", 0) == 0, r  # never a merged graph taken for the step's own
+    if mode == "unlocked":
+        assert r["detected"] > 0, r
     else:
-        assert r["merged"] > 0, r
+        assert r["own"] == r["read"] == 30, r
+    if mode == "user-thread":
+        assert r["user_calls"] > 0 and r.get("user_cancelled", 0) == 0, r

@@ -488,6 +488,13 @@ class ManagedStep:
                 if self.options.verbose:
                     print(f"capuchin_tf: the measured step ran out of memory ({oom_line(e)}); variables restored, "
                           "running it again", flush=True)
+            except capture.MergedGraphError as e:  # the graph it ran was read merged with another thread's function
+                state.snapshot.restore()
+                if retried >= MEASURED_RETRIES:
+                    return self._own_error_or_refuse(state, args, e, "measured step")
+                retried += 1
+                if self.options.verbose:
+                    print(f"capuchin_tf: {e}; variables restored, running the measured step again", flush=True)
             except Exception as e:  # an error of the measured graph: not ours to pass on unless the step's own
                 state.snapshot.restore()
                 return self._own_error_or_refuse(state, args, e, "measured step")

@@ -8,18 +8,21 @@ from the captured graph's static shapes.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
 import itertools
 import threading
+import time
 import weakref
 from collections.abc import Callable, Collection, Iterator
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, op_def_pb2, types_pb2
 from tensorflow.core.protobuf import config_pb2
-from tensorflow.python.eager import cancellation, context
+from tensorflow.python.eager import cancellation, context, execute
+from tensorflow.python.eager.polymorphic_function import function_type_utils
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.ops import resource_variable_ops
 
@@ -50,6 +53,12 @@ class CaptureError(ValueError):
     """The step cannot be captured (not a tf.function, XLA-compiled, ...)."""
 
 
+class MergedGraphError(CaptureError):
+    """The graph read back from run metadata has another function's graph merged into it: TensorFlow's graph
+    collector is the eager context's and merges (GraphDef.MergeFrom) every function instantiated while run metadata is
+    on, in any thread. Reading again usually gives the step's own graph."""
+
+
 def concrete_step(fn, args):
     """The ConcreteFunction of `fn` for `args` (tensors or TensorSpecs)."""
     if not hasattr(fn, "get_concrete_function"):
@@ -69,6 +78,9 @@ def refuse_xla(fn) -> None:
         )
 
 
+# Reads of a step's optimized graph before a graph merged with another function's is an error (MergedGraphError).
+GRAPH_READ_ATTEMPTS = 5
+GRAPH_READ_BACKOFF_S = 0.02
 _NONCES = itertools.count(1 << 30)  # timeline_step values no other call uses (see optimized_graph)
 # Held while run metadata collects a function's optimized graph, and by any other thread's instantiation
 # (function_surgery.preinstantiate, a plan change built in the background): run metadata is the eager context's, so
@@ -88,18 +100,49 @@ def optimized_graph(concrete, args) -> graph_pb2.GraphDef:
     ctx = context.context()
     flush = tf.constant(0)
     tf.identity(flush)  # instantiated now, so that running it below adds no graph of its own
+    flat = flat_call_inputs(concrete, args)
+    names = {op.name for op in concrete.graph.get_operations()}
+    for attempt in range(GRAPH_READ_ATTEMPTS):
+        # A config no other call uses: the function is instantiated (optimized) anew even if it ran before, and the
+        # instantiation is what hands over the graph. The field set is one only DirectSession reads.
+        nonce = next(_NONCES)
+        with call_config(lambda config: setattr(config.graph_options, "timeline_step", nonce)):
+            metadata = _instantiate(ctx, concrete, flat, flush)
+        try:
+            return _pick_graph(metadata, names)
+        except MergedGraphError:
+            if attempt + 1 == GRAPH_READ_ATTEMPTS:
+                raise
+            time.sleep(GRAPH_READ_BACKOFF_S * (attempt + 1))  # let the other thread's instantiation pass
+    raise AssertionError("unreachable")
+
+
+def flat_call_inputs(concrete, args, kwargs=None) -> list:
+    """The flat tensors a call of `concrete` with `args` and `kwargs` passes to its runtime function (the step's
+    inputs, then its captures), as ConcreteFunction's own call flattens them."""
+    function_type = concrete.function_type
+    bound = function_type_utils.canonicalize_function_inputs(args, kwargs or {}, function_type)
+    return list(function_type.unpack_inputs(bound)) + list(concrete.captured_inputs)
+
+
+def instantiate_without_running(name: str, num_outputs: int, inputs: list) -> bool:
+    """Calls the runtime function `name` with `inputs` under a cancellation manager cancelled beforehand, with this
+    thread's function call options: TensorFlow instantiates it (placement, the graph passes, partitioning) and keeps
+    the instantiation, then refuses to start the call ("Function was cancelled before it was started"), so no node
+    runs. True when the call was refused as it should be, False when it ran. Raises the instantiation's OpError.
+
+    The manager is passed to this call alone: TensorFlow's `CancellationManager.get_cancelable_function` sets a
+    process-wide manager, which cancelled any function another thread called meanwhile."""
+    ctx = context.context()
+    attrs = tuple(itertools.chain(*ctx.function_call_options.as_attrs().items()))
     manager = cancellation.CancellationManager()
     manager.start_cancel()
-    # A config no other call uses: the function is instantiated (optimized) anew even if it ran before, and the
-    # instantiation is what hands over the graph. The field set is one only DirectSession reads.
-    nonce = next(_NONCES)
-    with call_config(lambda config: setattr(config.graph_options, "timeline_step", nonce)):
-        metadata = _instantiate(ctx, manager, concrete, args, flush)
-    graph = _pick_graph(metadata, {op.name for op in concrete.graph.get_operations()})
-    names = [n.name for n in graph.node]
-    if len(set(names)) != len(names):
-        raise CaptureError("the optimized graph TensorFlow returned has duplicate node names")
-    return graph
+    try:
+        execute.execute_with_cancellation(name, num_outputs=num_outputs, inputs=inputs, attrs=attrs, ctx=ctx,
+                                          cancellation_manager=manager)
+    except tf.errors.CancelledError:
+        return True
+    return False
 
 
 @contextlib.contextmanager
@@ -118,20 +161,30 @@ def call_config(edit: Callable[[config_pb2.ConfigProto], None]) -> Iterator[None
         ctx.function_call_options = old
 
 
-def _instantiate(ctx, manager, concrete, args, flush):
-    """Calls `concrete` under an already cancelled `manager` with run metadata on: its optimized graphs."""
-    with INSTANTIATION_LOCK:  # no other thread's instantiation in this call's metadata
+def _instantiate(ctx, concrete, flat, flush):
+    """Instantiates `concrete` for the flat inputs `flat` without running it, with run metadata on: its optimized
+    graphs."""
+    atomic = concrete._inference_function  # what a call outside a gradient tape runs
+    with _run_metadata(ctx, flush):
+        if not instantiate_without_running(atomic.name.decode(), len(atomic.function_type.flat_outputs), flat):
+            raise CaptureError("the step ran although it was cancelled before its start")
+        tf.identity(flush)  # an executed eager op hands the graphs collected at instantiation to the run metadata
+        return ctx.export_run_metadata()
+
+
+@contextlib.contextmanager
+def _run_metadata(ctx, flush) -> Iterator[None]:
+    """Run metadata on, with nothing collected before in it, and no other thread's instantiation while it is on
+    (INSTANTIATION_LOCK). TensorFlow's graph collector can hold another function's graph from before (seen: a plan
+    change's function instantiated in another thread, while run metadata was off, in the collector at the next
+    read): an eager op with run metadata on hands it to the run metadata, which is then dropped. `flush`: a tensor
+    `tf.identity` already ran on (its instantiation adds no graph)."""
+    with INSTANTIATION_LOCK:
         ctx.enable_run_metadata()
         try:
-            ctx.export_run_metadata()  # drop anything collected before this call
-            try:
-                manager.get_cancelable_function(concrete)(*args)
-            except tf.errors.CancelledError:
-                pass
-            else:
-                raise CaptureError("the step ran although it was cancelled before its start")
-            tf.identity(flush)  # an executed eager op hands the graphs collected at instantiation to the run metadata
-            return ctx.export_run_metadata()
+            tf.identity(flush)
+            ctx.export_run_metadata()
+            yield
         finally:
             ctx.disable_run_metadata()
 
@@ -143,14 +196,11 @@ def run_with_post_optimization_graph(call, names: Collection[str]):
     functions (a function run earlier in the process, for one), so the one sharing most node names with it is taken.
     """
     ctx = context.context()
-    with INSTANTIATION_LOCK:  # no other thread's instantiation in this call's metadata
-        ctx.enable_run_metadata()
-        try:
-            ctx.export_run_metadata()  # drop anything collected before this call
-            result = call()
-            metadata = ctx.export_run_metadata()
-        finally:
-            ctx.disable_run_metadata()
+    flush = tf.constant(0)
+    tf.identity(flush)
+    with _run_metadata(ctx, flush):
+        result = call()
+        metadata = ctx.export_run_metadata()
     return result, _pick_graph(metadata, names)
 
 
@@ -158,7 +208,28 @@ def _pick_graph(metadata, names: Collection[str]) -> graph_pb2.GraphDef:
     graphs = [fg.post_optimization_graph for fg in metadata.function_graphs]
     if not graphs:
         raise CaptureError("TensorFlow returned no function graph for the step (was it a tf.function call?)")
-    return max(graphs, key=lambda g: sum(n.name in names for n in g.node))
+    graph = max(graphs, key=lambda g: sum(n.name in names for n in g.node))
+    merged = merged_graph(graph)
+    if merged:
+        raise MergedGraphError(f"the optimized graph TensorFlow returned has another function's graph merged in "
+                               f"({merged}): a function was instantiated in another thread while it was read")
+    return graph
+
+
+def merged_graph(graph: graph_pb2.GraphDef) -> str | None:
+    """Why `graph` (a function's graph from run metadata) holds more than one function's graph, or None: a node name
+    twice, or an `_Arg` or `_Retval` index twice (every function's inputs and outputs are numbered from 0, so a
+    second function's graph repeats them even where its node names differ)."""
+    names = collections.Counter(n.name for n in graph.node)
+    twice = [name for name, count in names.items() if count > 1]
+    if twice:
+        return f"{len(twice)} node names twice, as {twice[0]!r}"
+    indices = collections.Counter((n.op, n.attr["index"].i) for n in graph.node
+                                  if n.op in ("_Arg", "_Retval") and "index" in n.attr)
+    twice = [key for key, count in indices.items() if count > 1]
+    if twice:
+        return f"{len(twice)} argument or result indices twice, as {twice[0][0]} {twice[0][1]}"
+    return None
 
 
 def arg_types(node, args) -> list[int]:

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.python.client import pywrap_tf_session as c_api
-from tensorflow.python.eager import cancellation, context, execute, record
-from tensorflow.python.eager.polymorphic_function import atomic_function, function_type_utils
+from tensorflow.python.eager import context, record
+from tensorflow.python.eager.polymorphic_function import atomic_function
 from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
 from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import importer, ops
@@ -92,9 +92,7 @@ class RunnableStep:
 
     def flat_inputs(self, args, kwargs) -> list:
         """The flat tensors a call with `args` and `kwargs` passes (the step's inputs, then its captures)."""
-        function_type = self._concrete.function_type
-        bound = function_type_utils.canonicalize_function_inputs(args, kwargs, function_type)
-        return list(function_type.unpack_inputs(bound)) + self.captured_inputs
+        return capture.flat_call_inputs(self._concrete, args, kwargs)
 
     def __call__(self, *args, **kwargs):
         flat = self.flat_inputs(args, kwargs)
@@ -294,26 +292,21 @@ def preinstantiate(fn: RunnableStep, specs: tuple | None) -> bool:
     if len(specs) != len(fn.input_dtypes) or any(dtype != d or dtype in (tf.resource, tf.variant)
                                                  for (dtype, _), d in zip(specs, fn.input_dtypes)):
         return False
-    empty = []
-    for (dtype, device), rank in zip(specs, fn.input_ranks):
-        shape = [0] * (rank or 0)
-        with tf.device(device):
-            empty.append(tf.fill(shape, "") if dtype == tf.string else tf.zeros(shape, dtype))
     atomic = fn.atomic
-    ctx = context.context()
     with grappler_off():  # the call options the step's own calls have (call_without_grappler)
-        attrs = tuple(itertools.chain(*ctx.function_call_options.as_attrs().items()))
-    manager = cancellation.CancellationManager()
-    manager.start_cancel()
-    try:
-        # Not while another thread reads a graph from the context's run metadata (capture.INSTANTIATION_LOCK).
+        # Not while another thread reads a graph from the context's run metadata (capture.INSTANTIATION_LOCK), and
+        # the empty arguments made under the lock too: an eager op's first run instantiates a function of its own.
         with capture.INSTANTIATION_LOCK:
-            execute.execute_with_cancellation(atomic.name.decode(),
-                                              num_outputs=len(atomic.function_type.flat_outputs),
-                                              inputs=empty + list(fn.captured_inputs), attrs=attrs, ctx=ctx,
-                                              cancellation_manager=manager)
-    except tf.errors.CancelledError:
+            empty = []
+            for (dtype, device), rank in zip(specs, fn.input_ranks):
+                shape = [0] * (rank or 0)
+                with tf.device(device):
+                    empty.append(tf.fill(shape, "") if dtype == tf.string else tf.zeros(shape, dtype))
+            try:
+                refused = capture.instantiate_without_running(
+                    atomic.name.decode(), len(atomic.function_type.flat_outputs), empty + list(fn.captured_inputs))
+            except tf.errors.OpError as e:
+                raise RewriteError(f"the rebuilt step does not instantiate: {e.message}") from e
+    if refused:
         return True
-    except tf.errors.OpError as e:
-        raise RewriteError(f"the rebuilt step does not instantiate: {e.message}") from e
     raise RewriteError("a cancelled call of the rebuilt step was not refused")
