@@ -10,7 +10,9 @@ runs the model's measured step and two guided steps under `capuchin_tf.function`
 feedback makes for late prefetches (every in-trigger moved earlier: policy.feedback.move_triggers) and times its
 parts: planning from scratch (what a tighter plan costs), the graph edits (rewrite.plan_editor, rewrite.pooled on
 its editor), the function made of them (function_surgery.runnable) and the first and second guided calls after it,
-against the guided step before. Prints one line per part and writes them as JSON, stamped.
+against the guided step before. Prints one line per part and writes them as JSON, stamped. With --cprofile FILE,
+the edits and the function (guided_graph and runnable, as a build makes them) are made once more under cProfile,
+its statistics written to FILE (read with `python -m pstats FILE`) and the 25 costliest calls by own time printed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def main() -> int:
     p.add_argument("--background", action="store_true",
                    help="the same change built off the critical path (ManagedStep._change, as the feedback makes it): "
                         "the steps that ran while it was built and the first after it, against the guided step before")
+    p.add_argument("--cprofile", metavar="FILE", help="also profile the edits and the function with cProfile")
     a = p.parse_args()
 
     import capuchin_tf  # noqa: F401  (the allocator wrapper, before TensorFlow's first op)
@@ -62,6 +65,10 @@ def main() -> int:
     t0 = time.perf_counter()
     function_surgery.runnable(state.concrete, graph_def, name="capuchin_guided_step")
     parts["runnable_s"] = time.perf_counter() - t0
+    if a.cprofile:
+        _cprofile(a.cprofile, lambda: function_surgery.runnable(  # what ManagedStep._build does
+            state.concrete, rewrite.guided_graph(state.optimized, moved, state.trace, dtypes, shapes, state.shaped),
+            name="capuchin_profiled"))
     t0 = time.perf_counter()
     installed = managed._install(state, moved, state.plan_budget)  # the same edits, installed
     parts["install_s"] = time.perf_counter() - t0
@@ -77,6 +84,17 @@ def main() -> int:
     print(f"plan change: {parts['plan_change_s']:.2f} s, {parts['plan_change_s'] / parts['second_call_after_s']:.2f}x "
           f"a guided step ({len(graph_def.node)} nodes)")
     return 0
+
+
+def _cprofile(path: str, work) -> None:
+    """`work()` under cProfile; its statistics to `path`, the costliest calls by own time printed."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(work)
+    profiler.dump_stats(path)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 def _earlier_triggers(plan, trace):

@@ -229,20 +229,18 @@ def propagate_backward_roles(model: GraphModel) -> GraphModel:
     # Optimizer ops the name scopes miss (Keras names RMSprop's scope "rm_sprop"): an op that is neither forward by
     # name nor backward and whose every reader is an optimizer op. A slot's decay (rho x v) reads only the slot and
     # feeds only its assignment: it is the optimizer's, wherever the executor happens to run it.
-    readers: dict[str, set[str]] = {}
-    for op in model.ops.values():
-        for t in op.inputs:
-            readers.setdefault(model.tensors[t].op, set()).add(op.name)
-    changed = True
-    while changed:
-        changed = False
-        for name, op in model.ops.items():
-            if roles[name] not in (Role.FORWARD, Role.OTHER) or op.type in _NOT_OPTIMIZER_TYPES:
-                continue
-            rs = readers.get(name)
-            if rs and all(roles[r] == Role.OPTIMIZER for r in rs):
-                roles[name] = Role.OPTIMIZER
-                changed = True
+    # A worklist to the same fixpoint as sweeping every op until none changes (an op only ever becomes the
+    # optimizer's, and only when its readers have): when one does, the ops it reads are looked at again.
+    work = list(model.ops)
+    while work:
+        name = work.pop()
+        op = model.ops[name]
+        if roles[name] not in (Role.FORWARD, Role.OTHER) or op.type in _NOT_OPTIMIZER_TYPES:
+            continue
+        rs = consumers.get(name)
+        if rs and all(roles[r] == Role.OPTIMIZER for r in rs):
+            roles[name] = Role.OPTIMIZER
+            work.extend(model.tensors[t].op for t in op.inputs)
     if all(roles[n] == op.role for n, op in model.ops.items()):
         return model
     ops = {name: op if roles[name] == op.role else dataclasses.replace(op, role=roles[name])
