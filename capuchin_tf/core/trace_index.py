@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 
 from capuchin_tf.core.access_trace import AccessTrace, TraceError
 from capuchin_tf.core.graph_model import Role
@@ -156,6 +157,9 @@ class TraceIndex:
         )
         self.trigger_ends: list[float] = [e for e, _ in self._trig]
         self.trigger_pos: list[int] = [i for _, i in self._trig]
+        # trigger_pos_max[k]: the latest op among the triggers 0..k (a walk backwards from k past an op position can
+        # stop once this is before it).
+        self.trigger_pos_max: list[int] = list(itertools.accumulate(self.trigger_pos, max))
         self._curve: list[tuple[float, int]] | None = None
         self._curve_times: list[float] | None = None
         self._curve_max: list[list[int]] | None = None  # sparse table: [j][i] = max of levels i .. i + 2**j - 1

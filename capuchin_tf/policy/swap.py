@@ -163,11 +163,11 @@ class SwapPlanner:
         # d2h lateness imposed on queued swap-outs delays their prefetches
         out_extra = out.extra_lateness
         ideal = pair.t_back - pair.swap_in_s
-        ends, poss = idx.trigger_ends, idx.trigger_pos
+        ends, poss, reach = idx.trigger_ends, idx.trigger_pos, idx.trigger_pos_max
         i = bisect.bisect_right(ends, ideal) - 1
         best = None
         steps = 0
-        while i >= 0 and steps < max_steps:
+        while i >= 0 and steps < max_steps and reach[i] >= lo:  # (else every trigger left is before `lo`)
             j = poss[i]
             e = ends[i]
             i -= 1
