@@ -309,13 +309,8 @@ def _fake_snapshot(log):
     return SimpleNamespace(take=lambda: log.append("take"), restore=lambda only=None: log.append(("restore", only)))
 
 
-def test_a_measured_step_that_runs_out_of_memory_twice_restores_raises_and_is_measured_again_next_time(monkeypatch):
-    # Out of memory in the measured step: what it may have written is restored, it runs once more, and a second
-    # failure raises BudgetError with the variables as they were; the signature is not left marked: the next call
-    # measures again (a failed first call must not make every later call run plain TensorFlow).
-    from capuchin_tf.runtime import managed_step
-    from capuchin_tf.tf import measure
-
+def _counter_step():
+    """A variable and a managed step that adds its input to it and returns twice the sum (a budget of 1 GiB)."""
     v = tf.Variable(1.0)
 
     @tf.function
@@ -323,7 +318,17 @@ def test_a_measured_step_that_runs_out_of_memory_twice_restores_raises_and_is_me
         v.assign_add(x)
         return v * 2.0
 
-    step = capuchin_tf.function(f, memory_budget=1 << 30)
+    return v, capuchin_tf.function(f, memory_budget=1 << 30)
+
+
+def test_a_measured_step_that_runs_out_of_memory_twice_restores_raises_and_is_measured_again_next_time(monkeypatch):
+    # Out of memory in the measured step: what it may have written is restored, it runs once more, and a second
+    # failure raises BudgetError with the variables as they were; the signature is not left marked: the next call
+    # measures again (a failed first call must not make every later call run plain TensorFlow).
+    from capuchin_tf.runtime import managed_step
+    from capuchin_tf.tf import measure
+
+    v, step = _counter_step()
     runs, log = [], []
     oom = tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[640,8192]")
 
@@ -355,14 +360,7 @@ def test_a_measured_step_whose_graph_came_back_merged_is_restored_and_run_again_
     # restored and it runs once more: the variable is updated once, the outputs are the plain step's.
     from capuchin_tf.tf import capture
 
-    v = tf.Variable(1.0)
-
-    @tf.function
-    def f(x):
-        v.assign_add(x)
-        return v * 2.0
-
-    step = capuchin_tf.function(f, memory_budget=1 << 30)
+    v, step = _counter_step()
     real_run = capture.run_with_post_optimization_graph
     runs = []
 
