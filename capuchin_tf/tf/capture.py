@@ -97,24 +97,20 @@ def optimized_graph(concrete, args) -> graph_pb2.GraphDef:
     placer and Grappler run, run metadata collects the optimized graph) and then refuses to start it, so no op runs
     and no variable is written. Used when the step may not fit the device (the measured step under a budget).
     """
-    ctx = context.context()
-    flush = tf.constant(0)
-    tf.identity(flush)  # instantiated now, so that running it below adds no graph of its own
     flat = flat_call_inputs(concrete, args)
     names = {op.name for op in concrete.graph.get_operations()}
-    for attempt in range(GRAPH_READ_ATTEMPTS):
+    for attempt in itertools.count(1):
         # A config no other call uses: the function is instantiated (optimized) anew even if it ran before, and the
         # instantiation is what hands over the graph. The field set is one only DirectSession reads.
         nonce = next(_NONCES)
         with call_config(lambda config: setattr(config.graph_options, "timeline_step", nonce)):
-            metadata = _instantiate(ctx, concrete, flat, flush)
+            metadata = _instantiate(concrete, flat)
         try:
             return _pick_graph(metadata, names)
         except MergedGraphError:
-            if attempt + 1 == GRAPH_READ_ATTEMPTS:
+            if attempt == GRAPH_READ_ATTEMPTS:
                 raise
-            time.sleep(GRAPH_READ_BACKOFF_S * (attempt + 1))  # let the other thread's instantiation pass
-    raise AssertionError("unreachable")
+            time.sleep(GRAPH_READ_BACKOFF_S * attempt)  # let the other thread's instantiation pass
 
 
 def flat_call_inputs(concrete, args, kwargs=None) -> list:
@@ -161,30 +157,37 @@ def call_config(edit: Callable[[config_pb2.ConfigProto], None]) -> Iterator[None
         ctx.function_call_options = old
 
 
-def _instantiate(ctx, concrete, flat, flush):
+def _instantiate(concrete, flat):
     """Instantiates `concrete` for the flat inputs `flat` without running it, with run metadata on: its optimized
     graphs."""
     atomic = concrete._inference_function  # what a call outside a gradient tape runs
-    with _run_metadata(ctx, flush):
+    with _run_metadata() as (ctx, flush):
         if not instantiate_without_running(atomic.name.decode(), len(atomic.function_type.flat_outputs), flat):
             raise CaptureError("the step ran although it was cancelled before its start")
-        tf.identity(flush)  # an executed eager op hands the graphs collected at instantiation to the run metadata
+        flush()  # an executed eager op hands the graphs collected at instantiation to the run metadata
         return ctx.export_run_metadata()
 
 
 @contextlib.contextmanager
-def _run_metadata(ctx, flush) -> Iterator[None]:
+def _run_metadata() -> Iterator[tuple]:
     """Run metadata on, with nothing collected before in it, and no other thread's instantiation while it is on
-    (INSTANTIATION_LOCK). TensorFlow's graph collector can hold another function's graph from before (seen: a plan
-    change's function instantiated in another thread, while run metadata was off, in the collector at the next
-    read): an eager op with run metadata on hands it to the run metadata, which is then dropped. `flush`: a tensor
-    `tf.identity` already ran on (its instantiation adds no graph)."""
+    (INSTANTIATION_LOCK); yields (the eager context, `flush`: runs an eager op, which hands what the graph collector
+    holds to the run metadata). TensorFlow's graph collector can hold another function's graph from before the
+    window (seen: a plan change's function, whose instantiation in another thread held the lock, in the collector at
+    the next read): it is handed over and dropped first."""
+    ctx = context.context()
+    one = tf.constant(0)
+    tf.identity(one)  # instantiated now, so that running it in the window adds no graph of its own
+
+    def flush() -> None:
+        tf.identity(one)
+
     with INSTANTIATION_LOCK:
         ctx.enable_run_metadata()
         try:
-            tf.identity(flush)
+            flush()
             ctx.export_run_metadata()
-            yield
+            yield ctx, flush
         finally:
             ctx.disable_run_metadata()
 
@@ -195,10 +198,7 @@ def run_with_post_optimization_graph(call, names: Collection[str]):
     `names`: the node names of the graph of the function `call` runs: run metadata can also carry graphs of other
     functions (a function run earlier in the process, for one), so the one sharing most node names with it is taken.
     """
-    ctx = context.context()
-    flush = tf.constant(0)
-    tf.identity(flush)
-    with _run_metadata(ctx, flush):
+    with _run_metadata() as (ctx, _):
         result = call()
         metadata = ctx.export_run_metadata()
     return result, _pick_graph(metadata, names)
