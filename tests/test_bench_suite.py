@@ -285,7 +285,36 @@ def test_policies_in_turn_in_one_process_bit_for_bit(tmp_path):
     assert order[:4] == ["capuchin"] * 2 + ["swap-only"] * 2 and sorted(order[4:6]) == sorted(order[6:]) == [
         "capuchin", "swap-only"]
     assert raw["link_clock_s"] == raw["run"]["link_clock_s"] > 0  # one p100 link, clocked by plain's step
-    assert "## Policies in turn in one process" in (out / "suite.md").read_text()
+    for r in rows.values():  # a prediction, where the running plan ran two steps of its own, in seconds of its trace
+        run = raw["run"]["per_policy"][r["policy"]]
+        assert run["prediction"] is not None and run["plan_steps"] <= 2
+        if "predicted_trace_clock_s" in r:
+            assert r["predicted_trace_clock_s"] == pytest.approx(r["trace_step_s"] * r["predicted_step_ratio"])
+            assert r["plan_median_step_s"] == run["plan_median_step_s"] > 0
+    text = (out / "suite.md").read_text()
+    assert "## Policies in turn in one process" in text and "Predicted against the plan's own steps" in text
+
+
+def test_an_interleaved_policy_is_set_beside_its_prediction_on_its_plans_own_steps():
+    """Each policy's prediction against the median of its running plan's own steps in the one process, in the
+    seconds of its trace and from plain TensorFlow's step; nothing with fewer than two such steps or no prediction;
+    and the count within the suite's tolerance each way."""
+    from capuchin_tf.cli import interleaved
+
+    prediction = {"predicted_step_ratio": 1.2, "trace_step_s": 0.5, "predicted_peak_bytes": 7 * MiB}
+    p = {"prediction": prediction, "plan_median_step_s": 0.66, "plan_steps": 3}
+    got = interleaved._against_prediction(p, plain_s=0.4)
+    assert got["predicted_trace_clock_s"] == pytest.approx(0.6)
+    assert got["step_prediction_error_trace_clock"] == pytest.approx(0.1)
+    assert got["predicted_step_s"] == pytest.approx(0.48)
+    assert got["step_prediction_error"] == pytest.approx(0.66 / 0.48 - 1)
+    assert got["predicted_peak_bytes"] == 7 * MiB and got["plan_steps"] == 3
+    assert interleaved._against_prediction({**p, "plan_steps": 1}, plain_s=0.4) == {}
+    assert interleaved._against_prediction({**p, "prediction": None}, plain_s=0.4) == {}
+    rows = [{"policy": "capuchin", **got}, {"policy": "swap-only"}]
+    assert interleaved.prediction_summary(rows).startswith(
+        "Predicted against the plan's own steps in this process, within 15%: 1 of 1 on the trace's clock, 0 of 1 "
+        "from plain")
 
 
 def test_a_step_of_another_bit_fails_the_interleaved_run(monkeypatch):

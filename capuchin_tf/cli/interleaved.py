@@ -60,7 +60,7 @@ def _run_worker(a: argparse.Namespace) -> int:
     import tensorflow as tf
 
     import capuchin_tf  # installs the allocator wrapper before the first op
-    from capuchin_tf.cli import models
+    from capuchin_tf.cli import bench, models
     from capuchin_tf.cli.common import machine
     from capuchin_tf.frontend import decorator
     from capuchin_tf.runtime.errors import oom_line
@@ -115,6 +115,9 @@ def _run_worker(a: argparse.Namespace) -> int:
         mine = [s for s in record if s["policy"] == policy]
         timed = [s["seconds"] for s in mine[1:]]
         report = next(iter(steps[policy].report().values()), None)
+        # The running plan's own steps (bench.plan_step_indices: after its last change, less the step that
+        # instantiated it, none beside a build): what its prediction is set beside.
+        own = [mine[i]["seconds"] for i in bench.plan_step_indices(report["steps"]) if i < len(mine)] if report else []
         per_policy[policy] = {
             "ok": policy not in errors, "error": errors.get(policy), "steps": len(mine), "step_s": [s["seconds"] for s
                                                                                                    in mine],
@@ -124,6 +127,8 @@ def _run_worker(a: argparse.Namespace) -> int:
             "evicted_on_demand_bytes": [s["evicted_on_demand_bytes"] for s in mine],
             "late_prefetches": [s["late_prefetches"] for s in mine],
             "peak_bytes": max((s["peak_bytes"] for s in mine[1:]), default=None),
+            "plan_median_step_s": statistics.median(own) if own else None, "plan_steps": len(own),
+            "prediction": report.get("prediction") if report else None,
             **({k: report[k] for k in ("replans", "swapped_tensors", "swapped_bytes", "recomputed_tensors",
                                        "recomputed_bytes", "plan_fallback")} if report else {})}
     result = {"model": a.model, "batch": a.batch, "budget_mb": a.budget_mb, "link": a.link,
@@ -184,7 +189,8 @@ def interleaved_point(model: str, batch: int, policies: list[str], link: str, ro
                      "replans": p.get("replans"), "swapped_tensors": p.get("swapped_tensors"),
                      "recomputed_tensors": p.get("recomputed_tensors"), "plan_fallback": p.get("plan_fallback"),
                      "evicted_on_demand_bytes": max(p["evicted_on_demand_bytes"][1:], default=0),
-                     "peak_bytes": p["peak_bytes"], "bitwise_equal": equal})
+                     "peak_bytes": p["peak_bytes"], "bitwise_equal": equal,
+                     **_against_prediction(p, plain["median_step_s"])})
     return {"model": model, "batch": batch, "budget_mb": budget_mb, "link": link, "link_clock_s": clock,
             "rounds": rounds, "policies": policies, "steps": steps, "bitwise_equal": equal, "rows": rows,
             "plain": {k: plain[k] for k in ("median_step_s", "peak_bytes", "persistent_bytes", "losses_hex",
@@ -192,11 +198,60 @@ def interleaved_point(model: str, batch: int, policies: list[str], link: str, ro
             "run": run}
 
 
+def _against_prediction(p: dict, plain_s: float | None) -> dict:
+    """A policy's prediction beside its own steps in this process: its running plan's predicted ratio of the trace's
+    step, in seconds of that trace (the measured step in this process, re-timed by its first guided step's kernels:
+    bench.on_the_trace_clock) and times plain TensorFlow's step from its own process, each against the median of the
+    plan's own steps here (`plan_median_step_s`). In one process every policy's trace and steps share the machine's
+    spells, which fresh processes per policy do not (docs/decisions.md, "Predictions in one process"). Empty when
+    the plan's own steps are fewer than two or there is no prediction."""
+    prediction, measured = p.get("prediction"), p.get("plan_median_step_s")
+    if not prediction or not measured or p.get("plan_steps", 0) < 2:
+        return {}
+    ratio = prediction["predicted_step_ratio"]
+    out = {"plan_median_step_s": measured, "plan_steps": p["plan_steps"], "predicted_step_ratio": ratio,
+           "predicted_peak_bytes": prediction.get("predicted_peak_bytes")}
+    if plain_s:
+        out.update(predicted_step_s=ratio * plain_s, step_prediction_error=measured / (ratio * plain_s) - 1.0)
+    from capuchin_tf.cli import bench
+
+    clock = bench.on_the_trace_clock(prediction, measured, plain_s or 0.0)
+    out.update({k: clock[k] for k in ("trace_step_s", "predicted_trace_clock_s", "step_prediction_error_trace_clock")
+                if k in clock})
+    return out
+
+
+def _prediction_cell(r: dict) -> str:
+    if "predicted_step_ratio" not in r:
+        return "-"
+    cell = f"{r['plan_median_step_s']:.3f} ({r['plan_steps']} steps)"
+    if "predicted_trace_clock_s" in r:
+        cell += f": {r['predicted_trace_clock_s']:.3f} ({r['step_prediction_error_trace_clock'] * 100:+.0f}%)"
+    if "predicted_step_s" in r:
+        cell += f", {r['predicted_step_s']:.3f} ({r['step_prediction_error'] * 100:+.0f}%)"
+    return cell
+
+
+def prediction_summary(rows: list[dict]) -> str:
+    """How many policies' predictions are within the suite's tolerance of their plan's steps in this process, each
+    way (the rows with a prediction beside at least two of the plan's own steps)."""
+    from capuchin_tf.cli.suite import PREDICTION_TOLERANCE
+
+    clocked = [r for r in rows if "step_prediction_error_trace_clock" in r]
+    timed = [r for r in rows if "step_prediction_error" in r]
+    near = sum(abs(r["step_prediction_error_trace_clock"]) <= PREDICTION_TOLERANCE for r in clocked)
+    near_plain = sum(abs(r["step_prediction_error"]) <= PREDICTION_TOLERANCE for r in timed)
+    return (f"Predicted against the plan's own steps in this process, within {PREDICTION_TOLERANCE:.0%}: {near} of "
+            f"{len(clocked)} on the trace's clock, {near_plain} of {len(timed)} from plain TensorFlow's step (its own "
+            "process).")
+
+
 def table(rows: list[dict]) -> list[str]:
     """Markdown lines: each policy's median step and its ratio to capuchin's, per model (no TensorFlow)."""
     lines = ["| model | batch | budget MiB | policy | median step s | vs capuchin | by round: median ratio, capuchin "
              "faster | re-plans | evicted on demand MiB (most a step) | peak MiB | swapped / recomputed tensors | run "
-             "bit for bit |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "bit for bit | its plan's steps s: predicted on the trace's clock (error), from plain's step (error) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         step = f"{r['median_step_s']:.3f}" if r["median_step_s"] else f"- ({r['error']})"
         ratio = f"{r['vs_capuchin']:.3f}" if r["vs_capuchin"] else "-"
@@ -207,7 +262,8 @@ def table(rows: list[dict]) -> list[str]:
                      f"{paired} | "
                      f"{r['replans'] if r['replans'] is not None else '-'} | "
                      f"{r['evicted_on_demand_bytes'] / MiB:.1f} | {peak} | {r['swapped_tensors'] or 0} / "
-                     f"{r['recomputed_tensors'] or 0} | {'yes' if r['bitwise_equal'] else 'NO'} |")
+                     f"{r['recomputed_tensors'] or 0} | {'yes' if r['bitwise_equal'] else 'NO'} | "
+                     f"{_prediction_cell(r)} |")
     return lines
 
 
@@ -255,6 +311,7 @@ def run(a: argparse.Namespace) -> int:
             "command": "python -m capuchin_tf bench interleaved " + " ".join(_argv_after("interleaved")), **data}
     pathlib.Path(a.json).write_text(json.dumps(data, indent=1))
     print("\n".join(table(data["rows"])))
+    print(prediction_summary(data["rows"]))
     print(f"  every step bit for bit with plain TensorFlow's run of {data['steps']} steps: "
           f"{'yes' if data['bitwise_equal'] else 'NO'}; result written to {a.json}")
     return 0 if data["bitwise_equal"] else 1

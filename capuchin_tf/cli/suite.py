@@ -508,7 +508,9 @@ def markdown(data: dict) -> str:
                   "after its step; each step continues from the variables the step before left, "
                   "and the whole run is checked bit for bit against plain TensorFlow's run of as many steps. Median "
                   "step from the first guided step on, against capuchin's: one process, so without the 15-40% "
-                  "spread between processes (cli/interleaved.py).", "", *interleaved.table(data["interleaved"]), ""]
+                  "spread between processes (cli/interleaved.py). The last column sets each policy's prediction "
+                  "beside the median of its running plan's own steps in that process.", "",
+                  *interleaved.table(data["interleaved"]), "", interleaved.prediction_summary(data["interleaved"]), ""]
     if data["maxbatch"]:
         lines += ["## Largest batch", "",
                   "| model | budget MiB | policy | largest batch | vs tf | first failing | bit for bit at it |",
