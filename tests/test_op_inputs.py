@@ -13,6 +13,7 @@ import pytest
 CASES = {
     "Capuchin>SetPassiveMode": ("capuchin_set_passive_mode", 0, "enabled", [True]),
     "Capuchin>SetSmallPool": ("capuchin_set_small_pool", 0, "enabled", [False]),
+    "Capuchin>SizeSmallPool": ("capuchin_size_small_pool", 0, "bytes", [1]),
     "Capuchin>SetLinkBandwidth/0": ("capuchin_set_link_bandwidth", 0, "device_to_host_bytes_per_sec", [0.0, 0.0]),
     "Capuchin>SetLinkBandwidth/1": ("capuchin_set_link_bandwidth", 1, "host_to_device_bytes_per_sec", [0.0, 0.0]),
     "Capuchin>SetMemoryBudget": ("capuchin_set_memory_budget", 0, "bytes", [0]),

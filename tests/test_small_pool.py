@@ -1,6 +1,8 @@
 """The device allocator wrapper's small-tensor pool: allocations of at most 64 KiB get a region of their own once
 capuchin_tf turned the pool on, so that small tensors that outlive large neighbours do not split the free memory
-(docs/decisions.md). Each case runs in a fresh process on a 64 MiB simulated device (pool: 1 MiB)."""
+(docs/decisions.md). Each case runs in a fresh process on a simulated device (64 MiB: the pool's default 1 MiB)."""
+
+import math
 
 import pytest
 
@@ -97,3 +99,62 @@ def test_the_pool_size_can_be_set_and_turned_off(simulated_device):
     assert sized["small_pool_bytes_limit"] == 2 * MiB and sized["small_pool_bytes_in_use"] >= 8192
     off = simulated_device(code, limit_mb=64, env={"CAPUCHIN_TF_SMALL_POOL_MB": "0"})
     assert off["small_pool_bytes_limit"] == -1 and off["small_pool_bytes_in_use"] == -1
+
+
+def test_the_pool_is_sized_before_its_first_use_and_fixed_from_then_on(simulated_device):
+    code = """
+    import json
+    import tensorflow as tf
+    import capuchin_tf
+    from capuchin_tf.tf import ops
+    before = capuchin_tf.allocator_stats()["small_pool_bytes_limit"]
+    asked = ops.size_small_pool(300 * 1024 + 1)  # rounded up to 256
+    again = ops.size_small_pool(512 * 1024)  # not used yet: sized again
+    ops.set_small_pool(True)
+    keep = tf.fill([2048], 1.0)
+    used = capuchin_tf.allocator_stats()
+    after = ops.size_small_pool(4 << 20)  # used: stays
+    print(json.dumps({"before": before, "asked": asked, "again": again, "used": used, "after": after,
+                      "limit_after": capuchin_tf.allocator_stats()["small_pool_bytes_limit"]}))
+    """
+    r = simulated_device(code, limit_mb=64)
+    assert r["before"] == 1 * MiB  # the allocator's default at 64 MiB (1/128 of the device, at least 1 MiB)
+    assert r["asked"] == 300 * 1024 + 256
+    assert r["again"] == 512 * 1024
+    assert r["used"]["small_pool_bytes_limit"] == 512 * 1024 and r["used"]["small_pool_bytes_in_use"] >= 8192
+    assert r["after"] == r["limit_after"] == 512 * 1024
+    fixed = simulated_device(code, limit_mb=64, env={"CAPUCHIN_TF_SMALL_POOL_MB": "2"})
+    assert fixed["asked"] == fixed["again"] == fixed["after"] == fixed["limit_after"] == 2 * MiB
+    off = simulated_device(code, limit_mb=64, env={"CAPUCHIN_TF_SMALL_POOL_MB": "0"})
+    assert off["asked"] == off["after"] == 0 and off["limit_after"] == -1
+
+
+def test_the_first_managed_step_sizes_the_pool_to_its_small_tensors(simulated_device):
+    r = simulated_device("""
+    import json
+    import math
+    import tensorflow as tf
+    import capuchin_tf
+    from capuchin_tf.cli import models
+    from capuchin_tf.core.schedule import small_tensor_peak
+    from capuchin_tf.runtime import managed_step
+
+    setup = models.build("transformer", 8)
+    step = capuchin_tf.function(setup.train_step, memory_budget=200 * 2**20)
+    step(*setup.inputs)
+    state = next(iter(step.states().values()))
+    peak = small_tensor_peak(state.optimized_model)
+    stats = capuchin_tf.allocator_stats()
+    # a second step of another model in the same process: the pool is used, its size stays
+    other = models.build("mlp", 256)
+    capuchin_tf.function(other.train_step, memory_budget=200 * 2**20)(*other.inputs)
+    print(json.dumps({"peak": peak, "stats": stats, "margin": managed_step.SMALL_POOL_MARGIN,
+                      "least": managed_step.SMALL_POOL_MIN_BYTES,
+                      "limit_after": capuchin_tf.allocator_stats()["small_pool_bytes_limit"]}))
+    """, limit_mb=400)
+    want = max(r["least"], math.ceil(r["margin"] * r["peak"]))
+    assert 0 < r["peak"] and want < 4 * MiB  # under the cap (a sixteenth of the device)
+    assert r["stats"]["small_pool_bytes_limit"] == -(-want // 256) * 256
+    # the step's small tensors came to about the estimate, within the margin: the pool was never full
+    assert r["peak"] / 2 <= r["stats"]["small_pool_peak_bytes_in_use"] < r["stats"]["small_pool_bytes_limit"]
+    assert r["limit_after"] == r["stats"]["small_pool_bytes_limit"]

@@ -35,7 +35,7 @@ def main() -> int:
             managed(*setup.inputs)
             outcome = "completed"
         except capuchin_tf.CapuchinError as e:
-            outcome = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            outcome = f"{type(e).__name__}: {str(e).splitlines()[0][:600]}"
         stats = ops.allocator_stats()
         rows.append({"step": i + 1, "outcome": outcome, **{k: stats[k] for k in (
             "small_pool_bytes_in_use", "small_pool_peak_bytes_in_use", "small_pool_bytes_limit", "largest_free")}})

@@ -335,7 +335,7 @@ class Floor:
 
 
 # Ops that allocate nothing of their own for their outputs (views of inputs, persistent state, control flow).
-_NO_WORKING_SET = frozenset({"_Arg", "_Retval", "NoOp", "Const", "HostConst", "ReadVariableOp", "VarHandleOp",
+ALLOCATES_NOTHING = frozenset({"_Arg", "_Retval", "NoOp", "Const", "HostConst", "ReadVariableOp", "VarHandleOp",
                              "Placeholder"}) | VIEW_OPS
 
 
@@ -347,7 +347,7 @@ def working_set_floor(graph: GraphModel) -> Floor:
     temporaries (a convolution's workspace) are not known before it runs: the true floor can only be higher."""
     best = Floor(0, "", "")
     for op in graph.ops.values():
-        if op.type in _NO_WORKING_SET or op.type in CONTROL_FLOW_OPS:
+        if op.type in ALLOCATES_NOTHING or op.type in CONTROL_FLOW_OPS:
             continue
         inputs = []
         for t in dict.fromkeys(view_base(graph, i) for i in op.inputs):

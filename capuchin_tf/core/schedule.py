@@ -12,7 +12,8 @@ import heapq
 import math
 from collections.abc import Mapping
 
-from capuchin_tf.core.graph_model import VIEW_OPS, GraphModel, Role
+from capuchin_tf.core.control_flow import CONTROL_FLOW_OPS
+from capuchin_tf.core.graph_model import ALLOCATES_NOTHING, VIEW_OPS, GraphModel, Role, fold_views
 
 BACK_EDGE_OPS = frozenset({"NextIteration", "RefNextIteration"})
 # Ops that write a variable (resource) in place.
@@ -139,6 +140,46 @@ def produced_bytes(graph: GraphModel, order: list[str]) -> list[int]:
         produced.append(produced[-1] + sum(max(graph.tensors[t].nbytes, 0) for t in graph.ops[name].outputs
                                            if not graph.tensors[t].persistent))
     return produced
+
+
+# The largest allocation the device allocator's small-tensor pool takes
+# (CapuchinAllocator::kSmallPoolMaxAllocationBytes, cc/kernels/device_allocator.h), and the granularity BFC rounds
+# allocations up to.
+SMALL_TENSOR_BYTES = 64 * 1024
+ALLOCATION_GRANULE = 256
+
+
+def small_tensor_peak(graph: GraphModel, max_bytes: int = SMALL_TENSOR_BYTES) -> int | None:
+    """The most bytes of small tensors (at most `max_bytes` each, those the allocator's small-tensor pool takes) the
+    step holds at once in the executor's estimated order (`schedule_order`), each rounded up as BFC rounds it; None
+    for a graph with a loop, whose body's tensors are made once per iteration where the model has each once.
+
+    A tensor lives from its producer to its last reader, reads through views counted as reads of the buffer viewed;
+    one with no reader is freed as soon as it is made. Ops that allocate nothing of their own (views, constants,
+    variable reads, arguments, control flow) and persistent tensors count nothing. Kernel temporaries are not in the
+    graph, and the executor's order is not quite this one: the measured pool peak is higher, by 0-30% on the zoo's
+    MobileNets, EfficientNets, GAN and small CNNs (docs/decisions.md, "Small tensors have a pool of their own")."""
+    if any(op.type in BACK_EDGE_OPS for op in graph.ops.values()):
+        return None
+    folded = fold_views(graph)
+    order = schedule_order(folded)
+    position = {name: i for i, name in enumerate(order)}
+    change = [0] * (len(order) + 1)
+    for t in folded.tensors.values():
+        producer = folded.ops[t.op]
+        if (t.persistent or not 0 < t.nbytes <= max_bytes or producer.type in ALLOCATES_NOTHING
+                or producer.type in CONTROL_FLOW_OPS):
+            continue
+        start = position[t.op]
+        end = max((position[c] for c in t.consumers), default=start)
+        size = -(-t.nbytes // ALLOCATION_GRANULE) * ALLOCATION_GRANULE
+        change[start] += size
+        change[end + 1] -= size
+    live = peak = 0
+    for c in change:
+        live += c
+        peak = max(peak, live)
+    return peak
 
 
 # An early op is deferred when its outputs hold at least this much and at least this much of other tensors is produced

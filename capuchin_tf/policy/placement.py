@@ -19,8 +19,9 @@ import bisect
 import dataclasses
 from collections.abc import Iterable, Iterator
 
-GRANULE = 256  # BFC rounds every allocation up to a multiple of this
-SMALL_BYTES = 64 * 1024  # CapuchinAllocator::kSmallPoolMaxAllocationBytes: smaller allocations have a pool of their own
+from capuchin_tf.core.schedule import ALLOCATION_GRANULE as GRANULE  # BFC rounds every allocation up to a multiple
+from capuchin_tf.core.schedule import SMALL_TENSOR_BYTES as SMALL_BYTES  # at most this: the allocator's small pool
+
 # BFC splits a free chunk for an allocation only when the chunk is at least twice the request or the rest is at least
 # this (its kMaxInternalFragmentation, 128 MiB without a fragmentation_fraction); otherwise the allocation takes the
 # whole chunk (tensorflow/core/common_runtime/bfc_allocator.cc, FindChunkPtr).

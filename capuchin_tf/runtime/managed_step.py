@@ -55,6 +55,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -72,6 +73,7 @@ from capuchin_tf.core.budget import format_bytes
 from capuchin_tf.core.device_model import DeviceModel, link_is_emulated, link_needs_flops
 from capuchin_tf.core.graph_model import fold_views, shape_of, split_tensor_id, working_set_floor
 from capuchin_tf.core.plan import Plan
+from capuchin_tf.core.schedule import small_tensor_peak
 from capuchin_tf.core.stalls import summarize as summarize_stalls
 from capuchin_tf.policy import POLICIES, make_plan
 from capuchin_tf.policy.feedback import (
@@ -109,6 +111,13 @@ RELINK_FRACTION = 0.05
 # profile names at least this fraction of the trace's ops.
 RETIME_COVERAGE = 0.9
 MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, after an out-of-memory error
+# The allocator's small-tensor pool is sized from the process's first managed step before anything uses it: this
+# multiple of the peak of the step's small tensors in the executor's estimated order (schedule.small_tensor_peak; the
+# measured peak was 1.0-1.3x it), at least SMALL_POOL_MIN_BYTES, at most 1/SMALL_POOL_DEVICE_SHARE of the device (and
+# at least the 1 MiB the allocator's default gives) (docs/decisions.md, "Small tensors have a pool of their own").
+SMALL_POOL_MARGIN = 1.4
+SMALL_POOL_MIN_BYTES = 256 << 10
+SMALL_POOL_DEVICE_SHARE = 16
 
 # One managed step at a time in a process: the profiler, the allocator's passive mode and budget, the host store's
 # link emulation and stall log are process-wide.
@@ -287,7 +296,6 @@ class ManagedStep:
             return self._call(args)
 
     def _call(self, args):
-        ops.set_small_pool(True)  # small tensors get a pool of their own (the allocator's switch; one small op)
         concrete = capture.concrete_step(self._fn, args)
         key = signature_key(concrete, args)
         state = self._states.get(key)
@@ -299,8 +307,10 @@ class ManagedStep:
     def _call_state(self, state: SignatureState | None, concrete, key: str, args):
         if state is None:
             state = self._new_state(concrete, key, args)
+            self._size_small_pool(state)
         else:
             self._states.move_to_end(key)
+        ops.set_small_pool(True)  # small tensors get a pool of their own (the allocator's switch; one small op)
         if state.fallback_reason is not None:
             return self._plain(state, args)
         if state.passive_only:
@@ -375,6 +385,22 @@ class ManagedStep:
                 f"while {format_bytes(persistent)} of persistent state (variables, optimizer slots, the step's "
                 f"inputs) is on the device. No budget below {format_bytes(state.floor_bytes)} can work (the op's "
                 "temporaries come on top); nothing was run.")
+
+    @staticmethod
+    def _size_small_pool(state: SignatureState) -> None:
+        """Sizes the allocator's small-tensor pool to the step's small tensors (SMALL_POOL_MARGIN) if nothing has used
+        the pool yet: the process's first managed step sizes it. Where it stays as it was (used already, the user's
+        size, a graph with a loop), nothing changes."""
+        stats = ops.allocator_stats()
+        limit = device_limit_bytes()
+        if (limit is None or state.optimized_model is None or stats["small_pool_bytes_limit"] <= 0
+                or stats["small_pool_peak_bytes_in_use"] != 0):
+            return
+        peak = small_tensor_peak(state.optimized_model)
+        if peak is None:
+            return
+        want = max(SMALL_POOL_MIN_BYTES, math.ceil(SMALL_POOL_MARGIN * peak))
+        ops.size_small_pool(min(want, max(1 << 20, limit // SMALL_POOL_DEVICE_SHARE)))
 
     def _refuse(self, state: SignatureState, reason: str) -> None:
         """The signature runs as plain TensorFlow from now on, with one warning (strict: CapuchinError)."""

@@ -134,6 +134,13 @@ def set_small_pool(enabled: bool) -> None:
     _ops.capuchin_set_small_pool(tf.constant(bool(enabled)))
 
 
+def size_small_pool(nbytes: int) -> int:
+    """Sizes the small-tensor pool to `nbytes` (rounded up to 256) if nothing has used it yet and
+    CAPUCHIN_TF_SMALL_POOL_MB did not set it; returns the pool's size in effect (0: the device has none). The first
+    managed step sizes it from its graph (core/graph_model.small_tensor_peak) before it runs."""
+    return int(_ops.capuchin_size_small_pool(tf.constant(int(nbytes), tf.int64)))
+
+
 def layout_begin(function_id: int, record_only: bool = False) -> None:
     """Begins a guided step of the function `function_id` under the allocator's planned layout (on the simulated
     device; elsewhere nothing): its allocations of more than 64 KiB are recorded and, once a step of the same function

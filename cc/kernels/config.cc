@@ -30,14 +30,16 @@ double FragmentationFraction(int64_t limit_bytes) {
   return limit_bytes > 0 ? 256.5 / static_cast<double>(limit_bytes) : 1.0 / 128;
 }
 
-// What a step allocates in the small pool at most, measured: 0.1-0.4 MiB on the quick tier, 0.5 MiB on ResNet50 at
-// batch 32 (docs/decisions.md).
-size_t SmallPoolBytes(int64_t device_bytes) {
+// The small pool's size until capuchin_tf sizes it from a step's graph (CapuchinAllocator::SizeSmallPool), or the
+// user's. What a step allocates in the small pool at most, measured: 0.1-0.4 MiB on the quick tier, 0.5 MiB on
+// ResNet50 at batch 32, 1.5-3 MiB on MobileNets and EfficientNets at batch 32 (docs/decisions.md).
+size_t SmallPoolBytes(int64_t device_bytes, bool* fixed) {
   const char* env = std::getenv("CAPUCHIN_TF_SMALL_POOL_MB");
   if (env != nullptr) {
     char* end = nullptr;
     const double mb = std::strtod(env, &end);
     if (end != env && mb >= 0.0 && mb * (1 << 20) <= static_cast<double>(device_bytes) / 4) {
+      *fixed = true;
       return static_cast<size_t>(mb * (1 << 20)) / 256 * 256;
     }
     LOG(WARNING) << "capuchin: ignoring CAPUCHIN_TF_SMALL_POOL_MB=" << env
@@ -52,7 +54,7 @@ Config Config::FromEnvironment() {
   Config c;
   c.simulated_device_bytes = SimulatedDeviceBytes();
   c.bfc_fragmentation_fraction = FragmentationFraction(c.simulated_device_bytes);
-  c.small_pool_bytes = c.simulated_device_bytes > 0 ? SmallPoolBytes(c.simulated_device_bytes) : 0;
+  c.small_pool_bytes = c.simulated_device_bytes > 0 ? SmallPoolBytes(c.simulated_device_bytes, &c.small_pool_fixed) : 0;
   if (const char* env = std::getenv("CAPUCHIN_TF_HOST_POOL_MB")) {
     c.host_pool_bytes = std::max<int64_t>(0, std::atoll(env)) << 20;
   }

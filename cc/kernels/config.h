@@ -8,7 +8,8 @@
 //       bytes' worth of the device, so that BFC splits every chunk larger than the request (device_allocator.cc).
 //   CAPUCHIN_TF_SMALL_POOL_MB
 //       the size of the allocator wrapper's small-tensor pool in MiB, 0 (no pool) to a quarter of the device.
-//       Default: 1/128 of the simulated device, between 1 and 8 MiB.
+//       Default: sized by capuchin_tf from the first managed step's graph before the pool is used (the peak of its
+//       small tensors, runtime/managed_step.py); 1/128 of the simulated device, between 1 and 8 MiB, until then.
 //   CAPUCHIN_TF_HOST_POOL_MB
 //       the most bytes of freed host buffers the host store keeps for reuse, in MiB. Default: 2048.
 //   CAPUCHIN_TF_TRACE_EVICT
@@ -37,7 +38,8 @@ namespace capuchin {
 struct Config {
   int64_t simulated_device_bytes = 0;  // 0: no simulated device
   double bfc_fragmentation_fraction = 1.0 / 128;
-  size_t small_pool_bytes = 0;  // a multiple of 256; 0 without a simulated device
+  size_t small_pool_bytes = 0;    // a multiple of 256; 0 without a simulated device
+  bool small_pool_fixed = false;  // set by CAPUCHIN_TF_SMALL_POOL_MB: capuchin_tf does not size it
   int64_t host_pool_bytes = int64_t{2048} << 20;
   bool trace_evict = false;
   bool debug_evict = false;

@@ -122,7 +122,7 @@ CapuchinAllocator* SharedWrapper() {
     if (base == nullptr) base = ProcessState::singleton()->GetCPUAllocator(port::kNUMANoAffinity);
     // The small-tensor pool's size (config.h): 0 without the simulated device.
     const size_t small = bfc == nullptr ? 0 : config.small_pool_bytes;
-    g_installed.store(new CapuchinAllocator(base, bfc, small, fragmentation_fraction));
+    g_installed.store(new CapuchinAllocator(base, bfc, small, fragmentation_fraction, config.small_pool_fixed));
   });
   return g_installed.load();
 }
@@ -170,10 +170,11 @@ struct RegisterFactory {
 CapuchinAllocator* CapuchinAllocator::Installed() { return g_installed.load(); }
 
 CapuchinAllocator::CapuchinAllocator(Allocator* base, tsl::BFCAllocator* bfc, size_t small_pool_bytes,
-                                     double fragmentation_fraction)
+                                     double fragmentation_fraction, bool small_pool_fixed)
     : base_(base),
       bfc_(bfc),
-      small_pool_bytes_(small_pool_bytes),
+      small_pool_bytes_(bfc != nullptr && small_pool_bytes >= 256 ? small_pool_bytes : 0),
+      small_pool_fixed_(small_pool_fixed),
       small_region_(new std::atomic<uintptr_t>[2]),
       trace_owners_(Config::Get().trace_evict) {
   small_region_[0].store(0);
@@ -185,25 +186,50 @@ CapuchinAllocator::CapuchinAllocator(Allocator* base, tsl::BFCAllocator* bfc, si
                                    ? static_cast<int64_t>(fragmentation_fraction * static_cast<double>(bfc_limit_))
                                    : int64_t{128} << 20;
   }
-  if (bfc != nullptr && small_pool_bytes >= 256) {
-    tsl::BFCAllocator::Options opts;
-    opts.allow_growth = false;            // one region of the whole pool, taken at the first small allocation
-    opts.allow_retry_on_failure = false;  // a full pool is not a failure: the allocation goes to `base`
-    opts.garbage_collection = false;
-    small_ = std::make_unique<tsl::BFCAllocator>(std::make_unique<RegionSubAllocator>(bfc, small_region_),
-                                                 small_pool_bytes, "capuchin_small_pool", opts);
+}
+
+tsl::BFCAllocator* CapuchinAllocator::SmallPool() {
+  tsl::BFCAllocator* pool = small_.load(std::memory_order_acquire);
+  if (pool != nullptr) return pool;
+  std::lock_guard<std::mutex> lock(small_mu_);
+  pool = small_.load(std::memory_order_relaxed);
+  if (pool != nullptr) return pool;
+  tsl::BFCAllocator::Options opts;
+  opts.allow_growth = false;            // one region of the whole pool, taken at the first small allocation
+  opts.allow_retry_on_failure = false;  // a full pool is not a failure: the allocation goes to `base`
+  opts.garbage_collection = false;
+  small_owned_ = std::make_unique<tsl::BFCAllocator>(std::make_unique<RegionSubAllocator>(bfc_, small_region_),
+                                                     small_pool_bytes_.load(), "capuchin_small_pool", opts);
+  small_.store(small_owned_.get(), std::memory_order_release);
+  return small_owned_.get();
+}
+
+int64_t CapuchinAllocator::SizeSmallPool(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(small_mu_);
+  const size_t current = small_pool_bytes_.load();
+  if (current == 0 || small_pool_fixed_ || small_.load(std::memory_order_relaxed) != nullptr) {
+    return static_cast<int64_t>(current);
   }
+  const size_t size = (static_cast<size_t>(std::max<int64_t>(bytes, 256)) + 255) / 256 * 256;
+  small_pool_bytes_.store(size);
+  return static_cast<int64_t>(size);
 }
 
 Allocator* CapuchinAllocator::Owner(const void* ptr) const {
   const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
-  if (small_ != nullptr && p >= small_region_[0].load() && p < small_region_[1].load()) return small_.get();
+  tsl::BFCAllocator* pool = small_.load(std::memory_order_acquire);
+  if (pool != nullptr && p >= small_region_[0].load() && p < small_region_[1].load()) return pool;
   return base_;
 }
 
 std::optional<AllocatorStats> CapuchinAllocator::SmallPoolStats() const {
-  if (small_ == nullptr) return std::nullopt;
-  return small_->GetStats();
+  const size_t size = small_pool_bytes_.load();
+  if (size == 0) return std::nullopt;
+  tsl::BFCAllocator* pool = small_.load(std::memory_order_acquire);
+  if (pool != nullptr) return pool->GetStats();
+  AllocatorStats stats;  // not used yet
+  stats.bytes_limit = static_cast<int64_t>(size);
+  return stats;
 }
 
 void* CapuchinAllocator::AllocateRaw(size_t alignment, size_t num_bytes) {
@@ -293,10 +319,10 @@ void* CapuchinAllocator::AllocateOnDevice(size_t alignment, size_t num_bytes, co
   const int64_t budget = enforced_budget_.load(std::memory_order_relaxed);
   if (budget > 0) return AllocateWithinBudget(alignment, num_bytes, attr, budget);
   void* ptr = nullptr;
-  if (small_ != nullptr && num_bytes > 0 && num_bytes <= kSmallPoolMaxAllocationBytes &&
-      small_on_.load(std::memory_order_relaxed)) {
+  if (num_bytes > 0 && num_bytes <= kSmallPoolMaxAllocationBytes && small_on_.load(std::memory_order_relaxed) &&
+      small_pool_bytes_.load(std::memory_order_relaxed) > 0) {
     AllocationAttributes no_retry(false, attr.allocation_will_be_logged, attr.freed_by_func);
-    ptr = small_->AllocateRaw(alignment, num_bytes, no_retry);
+    ptr = SmallPool()->AllocateRaw(alignment, num_bytes, no_retry);
     if (ptr != nullptr) return ptr;
   }
   if (HostStore::Global()->passive()) {
@@ -450,12 +476,14 @@ void* CapuchinAllocator::AllocateWithinBudget(size_t alignment, size_t num_bytes
   AllocationAttributes no_retry(false, attr.allocation_will_be_logged, attr.freed_by_func);
   int64_t excess = 0;
   void* ptr = nullptr;
-  if (small_ != nullptr && num_bytes > 0 && num_bytes <= kSmallPoolMaxAllocationBytes &&
-      small_on_.load(std::memory_order_relaxed)) {
+  if (num_bytes > 0 && num_bytes <= kSmallPoolMaxAllocationBytes && small_on_.load(std::memory_order_relaxed) &&
+      small_pool_bytes_.load(std::memory_order_relaxed) > 0) {
     // Inside the pool's region the device's bytes in use do not change; the pool's first allocation takes the
     // region from the device. Refused, the allocation goes to the device as below.
-    auto small = [&] { return small_->AllocateRaw(alignment, num_bytes, no_retry); };
-    ptr = small_region_[0].load() != 0 ? small() : Admit(budget, MaxBytesAdded(small_pool_bytes_), &excess, small);
+    tsl::BFCAllocator* pool = SmallPool();
+    auto small = [&] { return pool->AllocateRaw(alignment, num_bytes, no_retry); };
+    ptr =
+        small_region_[0].load() != 0 ? small() : Admit(budget, MaxBytesAdded(small_pool_bytes_.load()), &excess, small);
     if (ptr != nullptr) return ptr;
   }
   const int64_t bytes_added = MaxBytesAdded(num_bytes);

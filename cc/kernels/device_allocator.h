@@ -51,8 +51,10 @@ class CapuchinAllocator : public Allocator, private DeviceMover {
   //
   // `fragmentation_fraction`: the one `bfc` was built with (BFCAllocator::Options), which decides how much more than
   // the request an allocation can take from it (MaxBytesAdded).
+  //
+  // `small_pool_fixed`: the pool's size was set by the user (CAPUCHIN_TF_SMALL_POOL_MB); SizeSmallPool keeps it.
   CapuchinAllocator(Allocator* base, tsl::BFCAllocator* bfc = nullptr, size_t small_pool_bytes = 0,
-                    double fragmentation_fraction = 0.0);
+                    double fragmentation_fraction = 0.0, bool small_pool_fixed = false);
 
   // The largest allocation the small-tensor pool takes (64 KiB). Not capuchin_tf.core.pool_plan's
   // GUIDED_MIN_POOLED_BYTES, the smallest tensor a guided step hands to the host store's tensor pool, also 64 KiB.
@@ -65,6 +67,10 @@ class CapuchinAllocator : public Allocator, private DeviceMover {
 
   Allocator* base() const { return base_; }
   void SetSmallPool(bool on) { small_on_.store(on, std::memory_order_relaxed); }
+  // Sizes the small-tensor pool to `bytes` (rounded up to 256, at least 256) if nothing has used it yet and its size
+  // is not the user's; returns the pool's size in effect (0: no pool). capuchin_tf sizes it from the first managed
+  // step's graph (the peak of its small tensors), before the step runs.
+  int64_t SizeSmallPool(int64_t bytes);
   // The last allocation the wrapper could not satisfy (at the device's limit or the budget, after passive mode's
   // evictions): its size, the device's bytes in use then, the largest free chunk then (smaller than the request with
   // enough bytes free: the free memory was split), and the op that asked. `count` grows by one per failure.
@@ -177,8 +183,13 @@ class CapuchinAllocator : public Allocator, private DeviceMover {
 
   Allocator* const base_;
   tsl::BFCAllocator* const bfc_;
-  std::unique_ptr<tsl::BFCAllocator> small_;
-  const size_t small_pool_bytes_;
+  // The small-tensor pool, made at its first use (SmallPool) and never replaced: its size can change until then.
+  tsl::BFCAllocator* SmallPool();
+  std::atomic<tsl::BFCAllocator*> small_{nullptr};
+  std::unique_ptr<tsl::BFCAllocator> small_owned_;
+  std::mutex small_mu_;                   // making the pool, sizing it
+  std::atomic<size_t> small_pool_bytes_;  // 0: no pool
+  const bool small_pool_fixed_;
   std::atomic<bool> small_on_{false};
   // The small pool's region, [begin, end), 0 until it is taken.
   std::shared_ptr<std::atomic<uintptr_t>[]> small_region_;

@@ -1,5 +1,6 @@
 // Kernels of Capuchin>AllocatorStats (the device allocator's statistics, its small-tensor pool's and its memory
-// budget, read from the kernel side) and of the wrapper's switches, Capuchin>SetSmallPool and Capuchin>SetMemoryBudget.
+// budget, read from the kernel side) and of the wrapper's switches, Capuchin>SetSmallPool, Capuchin>SizeSmallPool and
+// Capuchin>SetMemoryBudget.
 
 #include "device_allocator.h"
 #include "kernel_inputs.h"
@@ -69,6 +70,20 @@ class SetSmallPoolOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CheckScalarInput(ctx, 0, "enabled"));
     CapuchinAllocator* allocator = CapuchinAllocator::Installed();
     if (allocator != nullptr) allocator->SetSmallPool(ctx->input(0).scalar<bool>()());
+  }
+};
+
+class SizeSmallPoolOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, CheckScalarInput(ctx, 0, "bytes"));
+    const int64_t bytes = ctx->input(0).scalar<int64_t>()();
+    OP_REQUIRES(ctx, bytes > 0, errors::InvalidArgument("Capuchin>SizeSmallPool: bytes must be > 0, got ", bytes));
+    CapuchinAllocator* allocator = CapuchinAllocator::Installed();
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = allocator == nullptr ? 0 : allocator->SizeSmallPool(bytes);
   }
 };
 
@@ -159,6 +174,7 @@ REGISTER_KERNEL_BUILDER(Name("Capuchin>LayoutStats").Device(DEVICE_CPU), LayoutS
 REGISTER_KERNEL_BUILDER(Name("Capuchin>AllocatorStats").Device(DEVICE_CPU), AllocatorStatsOp);
 REGISTER_KERNEL_BUILDER(Name("Capuchin>SetMemoryBudget").Device(DEVICE_CPU), SetMemoryBudgetOp);
 REGISTER_KERNEL_BUILDER(Name("Capuchin>SetSmallPool").Device(DEVICE_CPU), SetSmallPoolOp);
+REGISTER_KERNEL_BUILDER(Name("Capuchin>SizeSmallPool").Device(DEVICE_CPU), SizeSmallPoolOp);
 
 }  // namespace
 }  // namespace capuchin

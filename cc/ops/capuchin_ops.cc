@@ -36,7 +36,7 @@ absl::Status ScalarInputsNoOutputs(InferenceContext* c) {
   return absl::OkStatus();
 }
 
-// Ops that take a scalar handle and return a scalar.
+// Ops that take a scalar (a handle, a size) and return a scalar.
 absl::Status ScalarHandleToScalar(InferenceContext* c) {
   ShapeHandle unused;
   TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
@@ -237,6 +237,19 @@ Turns the device allocator wrapper's small-tensor pool on or off: when on (and t
 simulated device), allocations of at most 64 KiB come from a pool of their own while it has room.
 
 enabled: a scalar.
+)doc");
+
+REGISTER_OP("Capuchin>SizeSmallPool")
+    .Input("bytes: int64")
+    .Output("size: int64")
+    .SetIsStateful()
+    .SetShapeFn(ScalarHandleToScalar)
+    .Doc(R"doc(
+Sizes the device allocator wrapper's small-tensor pool to `bytes` (rounded up to a multiple of 256) if no allocation
+has used the pool yet and CAPUCHIN_TF_SMALL_POOL_MB did not set its size; the pool's size stays fixed from its first
+use on. Returns the pool's size in effect (0: the device has no pool).
+
+bytes: a scalar, the size asked for.
 )doc");
 
 REGISTER_OP("Capuchin>SetMemoryBudget")

@@ -8,7 +8,7 @@ import pytest
 
 from capuchin_tf.core.graph_model import GraphModel, OpInfo, Role, TensorInfo
 from capuchin_tf.core.pool_plan import GUIDED_MIN_POOLED_BYTES, PooledRead, hold_plan
-from capuchin_tf.core.schedule import deferral_gates, schedule_order
+from capuchin_tf.core.schedule import deferral_gates, schedule_order, small_tensor_peak
 
 MB = 1 << 20
 
@@ -62,6 +62,34 @@ def test_schedule_follows_control_edges_and_ignores_loop_back_edges():
     }, controls={"a": ("b",)})
     order = schedule_order(g)
     assert order.index("b") < order.index("a") < order.index("merge") < order.index("body") < order.index("next")
+
+
+def test_the_small_tensor_peak_counts_small_transients_live_at_once_in_the_schedule():
+    KB = 1 << 10
+    g = graph({
+        "w": ("ReadVariableOp", ()),
+        "x": ("_Arg", ()),
+        "a": ("Mean", ("x:0",)),  # 1000 bytes, rounded up to 1024; read last by d
+        "b": ("Relu", ("x:0",)),  # 1 MiB: not small
+        "v": ("Reshape", ("a:0",)),  # a view of a: reading it reads a
+        "c": ("Mean", ("b:0",)),  # 10 KiB, read by d
+        "d": ("AddV2", ("v:0", "c:0")),  # 64 KiB: the largest small tensor, freed at once (no reader)
+        "e": ("Sum", ("w:0",)),  # 100 bytes, after d frees everything: 256
+        "p": ("Mean", ("w:0",)),  # persistent: nothing
+    }, persistent={"p"}, sizes={"a": 1000, "c": 10 * KB, "d": 64 * KB, "e": 100, "w": 512, "p": 4 * KB, "v": 1000})
+    assert schedule_order(g) == ["w", "x", "e", "p", "a", "b", "v", "c", "d"]
+    # at d: a (1024, through the view), c (10 KiB), d itself (64 KiB) and e (made early, never read: freed at once)
+    assert small_tensor_peak(g) == 1024 + 10 * KB + 64 * KB
+    # a larger largest small tensor: b counts too, and it is live from its producer to c
+    assert small_tensor_peak(g, max_bytes=MB) == 1024 + MB + 10 * KB
+
+
+def test_the_small_tensor_peak_of_a_loop_is_not_known():
+    g = graph({
+        "a": ("Const", ()), "merge": ("Merge", ("a:0", "next:0")), "body": ("Neg", ("merge:0",)),
+        "next": ("NextIteration", ("body:0",)),
+    }, sizes={"body": 1024})
+    assert small_tensor_peak(g) is None
 
 
 def test_schedule_rejects_a_real_cycle():
