@@ -354,6 +354,41 @@ def test_a_measured_step_that_runs_out_of_memory_twice_restores_raises_and_is_me
     assert [s["phase"] for s in report["steps"]] == ["measured"]
 
 
+@pytest.mark.parametrize("in_use_mb,lowered_mb", [(600, 999), (950, None)])
+def test_a_measured_step_that_found_the_free_memory_split_runs_again_under_a_lower_budget(monkeypatch, in_use_mb,
+                                                                                           lowered_mb):
+    # The first run's refusal: 100 MiB asked, the largest free run 80 MiB. With 600 MiB in use the bytes were there
+    # (600 + 100 <= 1024): the free memory was split, and the retry runs under 1024 - 100/4 MiB. With 950 MiB in use
+    # they were not: the retry runs under the step's own budget. Either way the variable is as it was.
+    from capuchin_tf.runtime import managed_step
+    from capuchin_tf.tf import measure
+
+    v, step = _counter_step()
+    refusals = {"refusals": 0}
+    oom = tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[100,1024,256]")
+    real_stats = managed_step.ops.allocator_stats
+
+    def failing_measure(fn, args, **kwargs):
+        refusals["refusals"] += 1
+        raise oom
+
+    def stats():
+        return {**real_stats(), **refusals, "refused_bytes": 100 * MiB, "refused_in_use": in_use_mb * MiB,
+                "refused_largest_free": 80 * MiB, "refused_op": "conv"}
+
+    budgets = []
+    monkeypatch.setattr(measure, "measure_step", failing_measure)
+    monkeypatch.setattr(managed_step, "device_limit_bytes", lambda: 2048 * MiB)
+    monkeypatch.setattr(managed_step.ops, "allocator_stats", stats)
+    monkeypatch.setattr(managed_step.ops, "set_memory_budget", budgets.append)
+    with pytest.raises(capuchin_tf.BudgetError) as raised:
+        step(tf.constant(1.0))
+    second = 1024 * MiB if lowered_mb is None else 1024 * MiB - 25 * MiB
+    assert budgets == [1024 * MiB, None, second, None]
+    assert ("the second time under 999.0 MiB" in str(raised.value)) == (lowered_mb is not None)
+    assert float(v.numpy()) == 1.0 and step.states() == {}  # as it was
+
+
 def test_a_measured_step_whose_graph_came_back_merged_is_restored_and_run_again_its_update_applied_once(monkeypatch):
     # The measured step ran, but the graph read back with it had another function's merged in (a thread instantiating
     # functions of its own; capture.MergedGraphError): its trace cannot be taken from that graph. Its writes are

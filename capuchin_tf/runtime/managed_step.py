@@ -111,6 +111,9 @@ RELINK_FRACTION = 0.05
 # profile names at least this fraction of the trace's ops.
 RETIME_COVERAGE = 0.9
 MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, after an out-of-memory error
+# A measured step that ran out of memory with the bytes free but not in one run runs again under a budget lower by
+# this fraction of the refused request (_split_retry_budget).
+SPLIT_RETRY_FRACTION = 0.25
 # The allocator's small-tensor pool is sized from the process's first managed step before anything uses it: this
 # multiple of the peak of the step's small tensors in the executor's estimated order (schedule.small_tensor_peak; the
 # measured peak was 1.0-1.3x it), at least SMALL_POOL_MIN_BYTES, at most 1/SMALL_POOL_DEVICE_SHARE of the device (and
@@ -420,17 +423,18 @@ class ManagedStep:
         return outputs
 
     @contextlib.contextmanager
-    def _budget(self, plain: bool = False):
+    def _budget(self, plain: bool = False, lowered: int | None = None):
         """The allocator enforces the budget while a managed step runs (on the simulated device: when the budget is
         below the device's size; at or above it the device's own limit does, and the allocator, knowing a budget is
         set, fails an allocation there at once instead of BFC's 10 s wait for frees: docs/decisions.md, "No wait at
         the budget"). A `plain` step (plain TensorFlow's, the `tf` policy) keeps BFC's own behaviour on a device of
-        the budget's size: it is the baseline."""
+        the budget's size: it is the baseline. `lowered`: a lower budget the allocator enforces instead (the measured
+        step's retry after split free memory, _split_retry_budget)."""
         limit = device_limit_bytes()
         on = (self.options.budget_bytes is not None and limit is not None
               and (self.options.budget_bytes < limit or not plain))
         if on:
-            ops.set_memory_budget(self.options.budget_bytes)
+            ops.set_memory_budget(self.options.budget_bytes if lowered is None else lowered)
         try:
             yield
         finally:
@@ -495,12 +499,12 @@ class ManagedStep:
                       f"{format_bytes(done.largest_free_after)}", flush=True)
         state.snapshot.take()
         state.start_bytes = tf.config.experimental.get_memory_info(DEVICE)["current"]
-        retried = 0
+        retried, lowered = 0, None
         while True:
             tf.config.experimental.reset_memory_stats(DEVICE)
             refusals = ops.allocator_stats()["refusals"]
             try:
-                with self._budget():
+                with self._budget(lowered=lowered):
                     outputs, trace = measure.measure_step(self._fn, args, budget_bytes=self.options.budget_bytes,
                                                           meta=meta, graph_def=state.passive_def,
                                                           shaped=state.shaped)
@@ -509,11 +513,13 @@ class ManagedStep:
                 state.snapshot.restore(recovery.possibly_written(state.passive_def, state.writes,
                                                                  recovery.failed_node(e)))
                 if retried >= MEASURED_RETRIES:
-                    raise self._measured_oom(state, e, refusals) from e
+                    raise self._measured_oom(state, e, refusals, lowered=lowered) from e
                 retried += 1
+                lowered = self._split_retry_budget(state, refusals)
                 if self.options.verbose:
                     print(f"capuchin_tf: the measured step ran out of memory ({oom_line(e)}); variables restored, "
-                          "running it again", flush=True)
+                          "running it again" + (f" under {format_bytes(lowered)}: the free memory was split"
+                                                if lowered is not None else ""), flush=True)
             except capture.MergedGraphError as e:  # the graph it ran was read merged with another thread's function
                 state.snapshot.restore()
                 if retried >= MEASURED_RETRIES:
@@ -546,24 +552,48 @@ class ManagedStep:
                 warnings.warn(f"capuchin_tf: the plan could not be cached ({e})", RuntimeWarning, stacklevel=4)
         return outputs
 
+    def _split_retry_budget(self, state: SignatureState, refusals_before: int) -> int | None:
+        """The budget the measured step runs again under after it ran out of memory with enough bytes free but not in
+        one run: lower than the one it failed under by SPLIT_RETRY_FRACTION of what the refused allocation asked
+        for, no lower than the step's floor. Run again as it was, on the same layout, it fails at the same op; under
+        the lower budget passive mode evicts earlier in the step, and the layout that op meets differs (the plan is
+        still made for the step's own budget). None when the refusal was for bytes (or none was recorded): the retry
+        runs as before."""
+        stats = ops.allocator_stats()
+        budget, limit = self.options.budget_bytes, device_limit_bytes()
+        if budget is None or limit is None or stats["refusals"] <= refusals_before or stats["refused_bytes"] <= 0:
+            return None
+        asked, in_use = stats["refused_bytes"], stats["refused_in_use"]
+        enforced = min(budget, limit)
+        if in_use + asked > enforced:
+            return None
+        lowered = max(enforced - math.ceil(SPLIT_RETRY_FRACTION * asked), state.floor_bytes)
+        return lowered if lowered < enforced else None
+
     def _measured_oom(self, state: SignatureState, error, refusals_before: int,
-                      head: str | None = None) -> BudgetError:
+                      head: str | None = None, lowered: int | None = None) -> BudgetError:
         """The error of a measured step that ran out of memory in both its runs, from what the allocator saw when it
         refused: what the step asked for, and what was in use that passive mode could not evict (tensors the ops that
         run or wait to run hold, persistent state, tensors made or read in cond branches or loop bodies, tensors too
-        small to pool), which no budget below their sum can run; or, with enough bytes free, that they were split."""
+        small to pool), which no budget below their sum can run; or, with enough bytes free, that they were split.
+        `lowered`: the budget its second run had (_split_retry_budget)."""
         budget = self.options.budget_bytes or 0
         if head is None:
-            head = (f"capuchin_tf: the measured step ran out of memory twice under a budget of {format_bytes(budget)}; "
-                    "the variables are as they were. ")
-        why = self._oom_diagnosis(state, error, refusals_before, evictor="passive mode")
+            again = ("" if lowered is None else
+                     f", the second time under {format_bytes(lowered)} (lowered after the first found the free memory "
+                     "split)")
+            head = (f"capuchin_tf: the measured step ran out of memory twice under a budget of {format_bytes(budget)}"
+                    f"{again}; the variables are as they were. ")
+        why = self._oom_diagnosis(state, error, refusals_before, evictor="passive mode", budget=lowered)
         return BudgetError(f"{head}{why + ' ' if why else ''}TensorFlow said: {oom_line(error)}")
 
-    def _oom_diagnosis(self, state: SignatureState, error, refusals_before: int, evictor: str) -> str | None:
-        """Why an allocation failed, from the allocator's last refusal after `refusals_before` of them: the budget is
-        below what the step needs at once (what was in use that `evictor` could not evict, and the floor), or the
-        device's free memory was split (its largest free run); None when the allocator recorded no refusal."""
-        budget = self.options.budget_bytes or 0
+    def _oom_diagnosis(self, state: SignatureState, error, refusals_before: int, evictor: str,
+                       budget: int | None = None) -> str | None:
+        """Why an allocation failed, from the allocator's last refusal after `refusals_before` of them: the budget
+        (`budget`, else the step's) is below what the step needs at once (what was in use that `evictor` could not
+        evict, and the floor), or the device's free memory was split (its largest free run); None when the allocator
+        recorded no refusal."""
+        budget = budget or self.options.budget_bytes or 0
         stats = ops.allocator_stats()
         if stats["refusals"] <= refusals_before or stats["refused_bytes"] <= 0:
             return None
