@@ -116,11 +116,15 @@ MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, aft
 SPLIT_RETRY_FRACTION = 0.25
 # The allocator's small-tensor pool is sized from the process's first managed step before anything uses it: this
 # multiple of the peak of the step's small tensors in the executor's estimated order (schedule.small_tensor_peak; the
-# measured peak was 1.0-1.3x it), at least SMALL_POOL_MIN_BYTES, at most 1/SMALL_POOL_DEVICE_SHARE of the device (and
-# at least the 1 MiB the allocator's default gives) (docs/decisions.md, "Small tensors have a pool of their own").
+# measured peak was 1.0-1.3x it), at least SMALL_POOL_MIN_BYTES, at most 1/SMALL_POOL_BUDGET_SHARE of the budget or
+# SMALL_POOL_MOST_BYTES, whichever is more. The pool's region is the budget's for the whole step, and the step's
+# tightest moment is not its small tensors' peak: sized to that peak on ResNet101 and ResNet152 at b16 (up to 12 MiB)
+# the measured step ran out of bytes where the 1/128 share ran guided (docs/decisions.md, "Small tensors have a pool of
+# their own").
 SMALL_POOL_MARGIN = 1.4
 SMALL_POOL_MIN_BYTES = 256 << 10
-SMALL_POOL_DEVICE_SHARE = 16
+SMALL_POOL_MOST_BYTES = 1 << 20
+SMALL_POOL_BUDGET_SHARE = 128
 
 # One managed step at a time in a process: the profiler, the allocator's passive mode and budget, the host store's
 # link emulation and stall log are process-wide.
@@ -389,21 +393,20 @@ class ManagedStep:
                 f"inputs) is on the device. No budget below {format_bytes(state.floor_bytes)} can work (the op's "
                 "temporaries come on top); nothing was run.")
 
-    @staticmethod
-    def _size_small_pool(state: SignatureState) -> None:
-        """Sizes the allocator's small-tensor pool to the step's small tensors (SMALL_POOL_MARGIN) if nothing has used
-        the pool yet: the process's first managed step sizes it. Where it stays as it was (used already, the user's
-        size, a graph with a loop), nothing changes."""
+    def _size_small_pool(self, state: SignatureState) -> None:
+        """Sizes the allocator's small-tensor pool to the step's small tensors (SMALL_POOL_MARGIN), at most a share of
+        the budget, if nothing has used the pool yet: the process's first managed step sizes it (a graph with a loop
+        gets that share). Used already, or sized by the user, it stays."""
         stats = ops.allocator_stats()
         limit = device_limit_bytes()
         if (limit is None or state.optimized_model is None or stats["small_pool_bytes_limit"] <= 0
                 or stats["small_pool_peak_bytes_in_use"] != 0):
             return
+        budget = min(limit, self.options.budget_bytes or limit)
+        most = max(SMALL_POOL_MOST_BYTES, budget // SMALL_POOL_BUDGET_SHARE)
         peak = small_tensor_peak(state.optimized_model)
-        if peak is None:
-            return
-        want = max(SMALL_POOL_MIN_BYTES, math.ceil(SMALL_POOL_MARGIN * peak))
-        ops.size_small_pool(min(want, max(1 << 20, limit // SMALL_POOL_DEVICE_SHARE)))
+        ops.size_small_pool(most if peak is None else
+                            min(most, max(SMALL_POOL_MIN_BYTES, math.ceil(SMALL_POOL_MARGIN * peak))))
 
     def _refuse(self, state: SignatureState, reason: str) -> None:
         """The signature runs as plain TensorFlow from now on, with one warning (strict: CapuchinError)."""
@@ -536,7 +539,8 @@ class ManagedStep:
             # The p100 link at a fixed clock (a plain step's time): the guided steps are taken to run that fast, and
             # the emulated link does not follow them (Options.link_clock_s).
             state.speedup = trace.step_time / self.options.link_clock_s
-        state.history.append(StepRecord("measured", seconds, trace.peak_bytes, retried=retried))
+        state.history.append(StepRecord("measured", seconds, trace.peak_bytes, retried=retried,
+                                        lowered_budget_bytes=lowered or 0))
         try:
             self._plan_and_rewrite(state, self.options.budget_bytes)
         except (Refusal, Exception) as e:  # noqa: BLE001  (whatever went wrong, the step's update stands, once)

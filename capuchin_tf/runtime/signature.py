@@ -23,6 +23,9 @@ class StepRecord:
     late_wait_s: float = 0.0  # total time swap-ins waited for their copies
     plan_changed: bool = False
     retried: int = 0
+    # A measured step's last run, when it ran under a budget lowered after split free memory (the allocator's budget
+    # then, bytes; 0: the step's own budget; ManagedStep._split_retry_budget).
+    lowered_budget_bytes: int = 0
     evictions: int = 0  # prefetched tensors evicted again by the safety net (passive mode during guided steps)
     passive_evictions: int = 0  # pooled tensors the safety net evicted on demand (what the plan did not save)
     passive_evicted_bytes: int = 0
