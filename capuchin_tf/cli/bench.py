@@ -155,7 +155,7 @@ def _run_worker(a: argparse.Namespace) -> int:
         "capuchin_tf_version": capuchin_tf.__version__, "date": datetime.date.today().isoformat(),
         "machine": machine(), "ok": True, "error": None, "persistent_bytes": None, "peak_bytes": None,
         "step_peak_bytes": [], "step_s": [], "step_steal_s": [], "steal_share": None, "curve_step": None,
-        "phases": [], "late_prefetches": [], "retries": [], "losses": [],
+        "phases": [], "late_prefetches": [], "retries": [], "lowered_budget_bytes": [], "losses": [],
         "median_step_s": None, "samples_per_s": None, "swapped_tensors": 0, "swapped_bytes": 0,
         "recomputed_tensors": 0, "recomputed_bytes": 0, "replans": 0, "settled": None, "report": None,
         "settled_steps": 0, "settled_median_step_s": None, "settled_peak_bytes": None, "plan_steps": 0,
@@ -232,7 +232,10 @@ def _run_worker(a: argparse.Namespace) -> int:
             result["phases"].append(phase)
             result["late_prefetches"].append(late)
             result["retries"].append(record["retried"] if record else 0)
+            lowered = record.get("lowered_budget_bytes", 0) if record else 0  # the measured step's retry's budget
+            result["lowered_budget_bytes"].append(lowered)
             print(f"  step {i + 1}/{a.steps} ({phase}): {seconds:.2f} s, peak {peak / MiB:.1f} MiB"
+                  + (f", run again under {lowered / MiB:.1f} MiB after split free memory" if lowered else "")
                   + (f", {late} late prefetches" if late else "")
                   + (f", {evicted / MiB:.1f} MiB evicted on demand" if evicted else ""), flush=True)
     except recorded as e:

@@ -948,9 +948,9 @@ def write_markdown(path: str | pathlib.Path, data: dict) -> None:
 
 RUN_KEYS = ("ok", "error", "error_type", "capuchin_error", "capuchin_warnings", "phases", "peak_bytes",
             "guided_peak_bytes", "persistent_bytes", "step_peak_bytes", "losses_hex", "variables_sha256", "step_s",
-            "median_step_s", "late_prefetches", "retries", "budget_mb", "device_mb", "device_limit_bytes",
-            "swapped_tensors", "swapped_bytes", "recomputed_tensors", "recomputed_bytes", "replans",
-            "fallback_reason", "wall_s", "error_traceback")
+            "median_step_s", "late_prefetches", "retries", "lowered_budget_bytes", "budget_mb", "device_mb",
+            "device_limit_bytes", "swapped_tensors", "swapped_bytes", "recomputed_tensors", "recomputed_bytes",
+            "replans", "fallback_reason", "wall_s", "error_traceback")
 
 
 def _worker(case: Case, policy: str, budget_mb: int, device_mb: int, steps: int, timeout: float | None,

@@ -164,9 +164,15 @@ class AccessTrace:
 
     def saving_target(self, budget_bytes: int, margin_bytes: int = 0, replayed_peak: int | None = None) -> int:
         """Bytes to save: the larger of what passive mode evicted and (ideal peak - budget + margin) (design.md).
-        `replayed_peak`: the trace's replayed peak when the caller has it (TraceIndex.replayed_peak)."""
+        `replayed_peak`: the trace's replayed peak when the caller has it (TraceIndex.replayed_peak). A step that ran
+        under a lower budget than `budget_bytes` (meta["ran_under_bytes"]: the measured step's retry after split free
+        memory) evicted for that one: its evictions count less the difference."""
         peak = self.replayed_peak_bytes() if replayed_peak is None else replayed_peak
-        return max(int(self.evicted_bytes), peak - budget_bytes + margin_bytes, 0)
+        evicted = int(self.evicted_bytes)
+        ran_under = self.meta.get("ran_under_bytes") if self.meta else None
+        if ran_under and budget_bytes > ran_under:
+            evicted = max(evicted - (budget_bytes - int(ran_under)), 0)
+        return max(evicted, peak - budget_bytes + margin_bytes, 0)
 
     def retimed(self, durations: Mapping[str, float], source: str = "") -> AccessTrace:
         """The same step with the ops' durations of another run of it: `durations` (seconds per op name; an op it

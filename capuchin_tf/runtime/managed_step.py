@@ -506,6 +506,8 @@ class ManagedStep:
         while True:
             tf.config.experimental.reset_memory_stats(DEVICE)
             refusals = ops.allocator_stats()["refusals"]
+            if lowered is not None:
+                meta = {**meta, "ran_under_bytes": lowered}  # its evictions were for that budget (saving_target)
             try:
                 with self._budget(lowered=lowered):
                     outputs, trace = measure.measure_step(self._fn, args, budget_bytes=self.options.budget_bytes,
