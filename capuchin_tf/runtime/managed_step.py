@@ -116,11 +116,11 @@ MEASURED_RETRIES = 1  # reruns of the measured step, or of a passive rescue, aft
 SPLIT_RETRY_FRACTION = 0.25
 # The allocator's small-tensor pool is sized from the process's first managed step before anything uses it: this
 # multiple of the peak of the step's small tensors in the executor's estimated order (schedule.small_tensor_peak; the
-# measured peak was 1.0-1.3x it), at least SMALL_POOL_MIN_BYTES, at most 1/SMALL_POOL_BUDGET_SHARE of the budget or
+# measured peak was 0.7-1.3x it), at least SMALL_POOL_MIN_BYTES, at most 1/SMALL_POOL_BUDGET_SHARE of the budget or
 # SMALL_POOL_MOST_BYTES, whichever is more. The pool's region is the budget's for the whole step, and the step's
-# tightest moment is not its small tensors' peak: sized to that peak on ResNet101 and ResNet152 at b16 (up to 12 MiB)
-# the measured step ran out of bytes where the 1/128 share ran guided (docs/decisions.md, "Small tensors have a pool of
-# their own").
+# tightest moment is not its small tensors' peak: with the pool sized to that peak alone (up to a sixteenth of the
+# device), ResNet101 b16's measured step ran out of bytes where the 1/128 share ran guided (docs/decisions.md, "Small
+# tensors have a pool of their own").
 SMALL_POOL_MARGIN = 1.4
 SMALL_POOL_MIN_BYTES = 256 << 10
 SMALL_POOL_MOST_BYTES = 1 << 20
