@@ -2,6 +2,7 @@
 process (device of 4 GiB, budgets below it are enforced by the allocator)."""
 
 import hashlib
+import json
 import threading
 import warnings
 
@@ -68,6 +69,44 @@ def test_an_error_after_the_measured_step_wrote_the_variables_is_not_raised(monk
     assert len(messages) == 1 and "planning failed" in messages[0] and "planner bug" in messages[0]
     (report,) = step.report().values()
     assert [s["phase"] for s in report["steps"]] == ["measured", "plain"]
+
+
+def test_a_planning_failure_is_kept_for_a_replay(monkeypatch, tmp_path, mlp_plain, capsys):
+    # keep_failures: the trace and error of a planning failure are kept, the warning says where, and `plan --replay`
+    # plans the kept trace again with the budget, policy and device model the runtime had (here the real planner,
+    # which plans it: the failure was the patched one's).
+    from capuchin_tf.cli import main
+    from capuchin_tf.policy.simulator import InfeasiblePlanError
+
+    def broken_plan(*args, **kwargs):
+        raise InfeasiblePlanError("tensor 'x:0' is read while evicted")
+
+    monkeypatch.setattr(managed_step, "make_plan", broken_plan)
+    monkeypatch.setattr(managed_step, "NOTHING_TO_SAVE", 0.0)
+    setup = models.build("mlp", 256)
+    step = capuchin_tf.function(setup.train_step, memory_budget=2048 * MiB, keep_failures=tmp_path / "kept")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = float.hex(float(step(*setup.inputs)))
+    assert [first] == mlp_plain[1][0] and digest(setup.variables) == mlp_plain[1][1]
+    (message,) = [str(w.message) for w in caught if "capuchin_tf" in str(w.message)]
+    (kept,) = (tmp_path / "kept").iterdir()
+    assert f"kept in {kept}" in message and "InfeasiblePlanError" in message
+    (report,) = step.report().values()
+    assert report["kept_failure"] == str(kept)
+    record = json.loads((kept / "failure.json").read_text())
+    assert record["budget_bytes"] == 2048 * MiB and record["policy"] == "capuchin"
+    assert record["planner_options"] == {"fallback": True} and "broken_plan" in record["traceback"]
+    capsys.readouterr()
+    assert main.main(["plan", "--replay", str(kept), "--json", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "it failed with InfeasiblePlanError" in out and "planned this time" in out
+    assert json.loads((tmp_path / "plan.json").read_text())["budget_bytes"] == 2048 * MiB
+    # Broken on purpose: the replay fails and says how.
+    record["planner_options"] = {"no_such_option": 1}
+    (kept / "failure.json").write_text(json.dumps(record))
+    assert main.main(["plan", "--replay", str(kept)]) == 1
+    assert "no_such_option" in capsys.readouterr().err
 
 
 def test_strict_raises_with_the_variables_as_they_were(monkeypatch, mlp_plain):

@@ -33,7 +33,7 @@ each run a worker in a fresh process (killed after --timeout s), compared bit fo
 when no run is a mismatch or a crash.
 
     python -m capuchin_tf bench zoo [--cases NAME,...|--ci|--list] [--steps 5] [--fraction 0.5] [--timeout 900]
-        [--json docs/results/zoo.json] [--markdown docs/zoo.md]
+        [--json docs/results/zoo.json] [--markdown docs/zoo.md] [--keep-failures DIR]
 
 `predictions` reads suite runs (their throughput points) and prints, per policy, the measured step beside the
 planner's prediction two ways (against_prediction, on_the_trace_clock) and how many are within 15% each way; it runs
@@ -193,13 +193,15 @@ def _run_worker(a: argparse.Namespace) -> int:
             # --stop-on-rescue: a step passive mode would have to rescue ends the run at once.
             # CAPUCHIN_TF_BACKGROUND_BUILDS=0: plan changes are built in the step that asks (for comparisons).
             # CAPUCHIN_TF_PLANNED_LAYOUT=1: guided steps allocate by the planned layout (for comparisons).
+            # CAPUCHIN_TF_KEEP_FAILURES=DIR: a planning failure's trace and error are kept there (Options).
             layout = os.environ.get("CAPUCHIN_TF_PLANNED_LAYOUT", "0") not in ("", "0")
             options = decorator.make_options(budget, policy=a.policy, link=a.link, link_clock_s=a.link_clock_s,
                                              passive_rescue=not a.stop_on_rescue,
                                              background_builds=os.environ.get("CAPUCHIN_TF_BACKGROUND_BUILDS",
                                                                               "1") != "0",
                                              planned_layout=layout,
-                                             verbose=os.environ.get("CAPUCHIN_TF_VERBOSE", "") not in ("", "0"))
+                                             verbose=os.environ.get("CAPUCHIN_TF_VERBOSE", "") not in ("", "0"),
+                                             keep_failures=os.environ.get("CAPUCHIN_TF_KEEP_FAILURES") or None)
             managed = decorator.wrap_step(setup.train_step, options)
         except recorded as e:
             record_error(e)
@@ -428,6 +430,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     zoo.add_argument("--json", help="write the results here (after every case)")
     zoo.add_argument("--markdown", help="write the table into this file, between its zoo-table markers "
                                         "(docs/zoo.md)")
+    zoo.add_argument("--keep-failures", metavar="DIR",
+                     help="keep each planning failure's trace and error in DIR/CASE-budget|double/ (default: "
+                          "JSON.failures/ beside --json; `python -m capuchin_tf plan --replay` plans one again)")
 
 
 def _validate(a: argparse.Namespace) -> None:
@@ -666,8 +671,9 @@ def _zoo(a: argparse.Namespace) -> int:
     arguments = " ".join(sys.argv[sys.argv.index("zoo") + 1:]) if "zoo" in sys.argv else ""
     print(f"bench zoo: {len(cases)} cases, {a.steps} steps per run, budget = persistent + {a.fraction:g} x transient "
           f"peak, timeout {a.timeout:g} s per process", flush=True)
+    keep = a.keep_failures or (f"{a.json}.failures" if a.json else None)
     return zoo.run_zoo(cases, a.steps, a.fraction, a.json, a.markdown, a.timeout, arguments=arguments,
-                       echo=lambda line: print(line, flush=True))
+                       echo=lambda line: print(line, flush=True), keep_failures=keep)
 
 
 def _run(a: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from capuchin_tf.core.budget import MiB, parse_budget
 from capuchin_tf.tf.simulated_device import simulated_device_env
@@ -97,19 +97,22 @@ def whole_mib(text: str) -> int:
     return value // MiB
 
 
-def run_worker(subcommand: str, args: list[str], limit_mb: int, timeout: float | None = None) -> dict:
+def run_worker(subcommand: str, args: list[str], limit_mb: int, timeout: float | None = None,
+               env: Mapping[str, str] | None = None) -> dict:
     """Runs `python -m capuchin_tf <subcommand> ...` (a hidden worker) in a fresh process on a simulated device of
     `limit_mb` MiB; returns its JSON result.
 
-    The worker's standard output (its progress lines) goes to this process's as it comes. Raises CliError when the
-    process leaves no result (it died, or ran longer than `timeout` seconds and was killed).
+    The worker's standard output (its progress lines) goes to this process's as it comes; `env`: variables set in its
+    environment beside the simulated device's. Raises CliError when the process leaves no result (it died, or ran
+    longer than `timeout` seconds and was killed).
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "capuchin_tf", subcommand, *args, "--result", str(out)]
         sys.stdout.flush()
         try:
-            proc = subprocess.run(cmd, env=simulated_device_env(limit_mb), stderr=subprocess.PIPE, text=True,
+            proc = subprocess.run(cmd, env={**simulated_device_env(limit_mb), **(env or {})}, stderr=subprocess.PIPE,
+                                  text=True,
                                   timeout=timeout)
         except subprocess.TimeoutExpired as e:
             stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")

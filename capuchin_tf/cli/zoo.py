@@ -950,12 +950,13 @@ RUN_KEYS = ("ok", "error", "error_type", "capuchin_error", "capuchin_warnings", 
             "guided_peak_bytes", "persistent_bytes", "step_peak_bytes", "losses_hex", "variables_sha256", "step_s",
             "median_step_s", "late_prefetches", "retries", "lowered_budget_bytes", "budget_mb", "device_mb",
             "device_limit_bytes", "swapped_tensors", "swapped_bytes", "recomputed_tensors", "recomputed_bytes",
-            "replans", "fallback_reason", "wall_s", "error_traceback")
+            "replans", "fallback_reason", "kept_failure", "wall_s", "error_traceback")
 
 
 def _worker(case: Case, policy: str, budget_mb: int, device_mb: int, steps: int, timeout: float | None,
-            link: str = "native", extra: Sequence[str] = ()) -> dict:
-    """One `bench-worker` run in a fresh process; never raises for a failed run (the error is in the result)."""
+            link: str = "native", extra: Sequence[str] = (), keep_failures: str | None = None) -> dict:
+    """One `bench-worker` run in a fresh process; never raises for a failed run (the error is in the result).
+    `keep_failures`: where a planning failure's trace and error are kept (Options.keep_failures)."""
     import time
 
     from capuchin_tf.cli.common import CliError, run_worker
@@ -964,7 +965,8 @@ def _worker(case: Case, policy: str, budget_mb: int, device_mb: int, steps: int,
             str(device_mb), "--policy", policy, "--link", link, "--steps", str(steps), "--record-errors", *extra]
     t0 = time.perf_counter()
     try:
-        r = run_worker("bench-worker", args, device_mb, timeout=timeout)
+        r = run_worker("bench-worker", args, device_mb, timeout=timeout,
+                       env={"CAPUCHIN_TF_KEEP_FAILURES": keep_failures} if keep_failures else None)
     except CliError as e:  # the process died or timed out: no result file
         text = str(e)
         lines = [ln for ln in text.splitlines() if ln.strip()]
@@ -976,13 +978,15 @@ def _worker(case: Case, policy: str, budget_mb: int, device_mb: int, steps: int,
     r["guided_peak_bytes"] = max(later) if later else None  # the steps after the measured one
     report = r.get("report") or {}
     r["fallback_reason"] = report.get("fallback_reason")
+    r["kept_failure"] = report.get("kept_failure")
     return {k: r.get(k) for k in RUN_KEYS}
 
 
 def run_case(case: Case, steps: int = 5, fraction: float = 0.5, timeout: float | None = 900.0,
-             echo: Callable[[str], None] = print) -> dict:
+             echo: Callable[[str], None] = print, keep_failures: str | None = None) -> dict:
     """The three runs of one case (plain; decorated at the budget on a device of the budget and of twice it),
-    classified."""
+    classified. `keep_failures`: a directory; a decorated run's planning failure is kept in CASE-budget or
+    CASE-double under it."""
     entry: dict = {"case": case.name, "batch": case.batch, "group": case.group, "description": case.description,
                    "plain_peak_bytes": None, "persistent_bytes": None, "budget_mb": None, "outcome_budget": None,
                    "reason_budget": None, "outcome_double": None, "reason_double": None, "steady_ratio": None,
@@ -996,11 +1000,11 @@ def run_case(case: Case, steps: int = 5, fraction: float = 0.5, timeout: float |
         # The decorated runs build the model from the plain run's initial values (models.initial_values): on a
         # device of the budget's size the initializers' own temporaries could decide whether it builds.
         initial = os.path.join(tmp, "initial_values.pkl")
-        return _run_case(case, steps, fraction, timeout, echo, entry, initial)
+        return _run_case(case, steps, fraction, timeout, echo, entry, initial, keep_failures)
 
 
 def _run_case(case: Case, steps: int, fraction: float, timeout: float | None, echo: Callable[[str], None],
-              entry: dict, initial: str) -> dict:
+              entry: dict, initial: str, keep_failures: str | None = None) -> dict:
     from capuchin_tf.core.budget import fraction_budget_mb
 
     echo(f"  plain TensorFlow, {PLAIN_DEVICE_MB} MiB device ...")
@@ -1022,7 +1026,8 @@ def _run_case(case: Case, steps: int, fraction: float, timeout: float | None, ec
     for key, device_mb, label in (("budget", budget_mb, "device=budget"), ("double", 2 * budget_mb, "device=2x")):
         echo(f"  capuchin, budget {budget_mb} MiB, {label} ({device_mb} MiB) ...")
         run = _worker(case, "capuchin", budget_mb, device_mb, steps, timeout,
-                      extra=("--load-initial-values", initial) if os.path.exists(initial) else ())
+                      extra=("--load-initial-values", initial) if os.path.exists(initial) else (),
+                      keep_failures=os.path.join(keep_failures, f"{case.name}-{key}") if keep_failures else None)
         outcome, reason = classify(run, plain, budget_mb * MiB)
         ratio = steady_ratio(run, plain)
         entry.update({f"{key}_run": run, f"outcome_{key}": outcome, f"reason_{key}": reason,
@@ -1033,9 +1038,10 @@ def _run_case(case: Case, steps: int, fraction: float, timeout: float | None, ec
 
 
 def run_zoo(cases: list[Case], steps: int, fraction: float, json_path: str | None, markdown_path: str | None,
-            timeout: float | None, arguments: str = "", echo: Callable[[str], None] = print) -> int:
+            timeout: float | None, arguments: str = "", echo: Callable[[str], None] = print,
+            keep_failures: str | None = None) -> int:
     """Runs `cases` one after the other; writes the JSON after each case and the markdown at the end. Exit code 0
-    when no run is a mismatch or a crash."""
+    when no run is a mismatch or a crash. `keep_failures`: run_case's."""
     import platform
     import time
 
@@ -1048,7 +1054,7 @@ def run_zoo(cases: list[Case], steps: int, fraction: float, json_path: str | Non
     for i, case in enumerate(cases, start=1):
         echo(f"[{i}/{len(cases)}] {case.name}, batch {case.batch}: {case.description}")
         t0 = time.perf_counter()
-        entry = run_case(case, steps, fraction, timeout, echo)
+        entry = run_case(case, steps, fraction, timeout, echo, keep_failures)
         entry["wall_s"] = time.perf_counter() - t0
         data["cases"].append(entry)
         data["summary"] = summary(data)

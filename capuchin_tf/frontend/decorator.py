@@ -35,7 +35,7 @@ def function(fn=None, *, memory_budget: int | float | str | None = None, policy:
              plan_cache: str | os.PathLike | None = None, feedback: bool = True, max_replans: int = 20,
              settle_steps: int = 10, background_builds: bool = True, planned_layout: bool = False,
              strict: bool = False, max_signatures: int = MAX_SIGNATURES, input_signature=None, autograph: bool = True,
-             reduce_retracing: bool = False, verbose: bool = False):
+             reduce_retracing: bool = False, verbose: bool = False, keep_failures: str | os.PathLike | None = None):
     """Wraps a training step (a Python function or a `tf.function`) so that it trains under `memory_budget`.
 
     memory_budget: bytes, or a string such as "2GiB" or "512MiB" (capuchin_tf.core.budget); default: the device's limit.
@@ -56,6 +56,8 @@ def function(fn=None, *, memory_budget: int | float | str | None = None, policy:
         guided graph fails.
     max_signatures: input signatures (concrete function and input shapes) kept, each with its own measurement and
         plan; past it the least recently used is dropped, with one warning.
+    keep_failures: a directory; when planning fails, the trace and the error are kept in a new directory there, which
+        the warning names (`python -m capuchin_tf plan --replay DIR` plans it again; attach it to a report).
     A budget below what the step can ever need raises `BudgetError` at the first call, before anything runs.
     input_signature, autograph, reduce_retracing: passed to `tf.function` when `fn` is a Python function.
     The step must not be XLA-compiled (jit_compile=True is refused).
@@ -65,7 +67,7 @@ def function(fn=None, *, memory_budget: int | float | str | None = None, policy:
                            plan_cache=plan_cache, feedback=feedback, max_replans=max_replans,
                            settle_steps=settle_steps, background_builds=background_builds,
                            planned_layout=planned_layout, strict=strict,
-                           max_signatures=max_signatures, verbose=verbose)
+                           max_signatures=max_signatures, verbose=verbose, keep_failures=keep_failures)
     return wrap_step(fn, options, input_signature=input_signature, autograph=autograph,
                      reduce_retracing=reduce_retracing)
 

@@ -43,7 +43,7 @@ class CapuchinCallback(keras.callbacks.Callback):
     memory_budget: bytes, or a string such as "2GiB"; default: the device's limit.
     policy: a registered policy (`capuchin`, `swap-only`, `recompute-only`, `swap-all`, `checkpoint`, `tf`).
     link, policy_options, plan_cache, feedback, max_replans, settle_steps, background_builds, planned_layout, strict,
-    max_signatures, verbose: as in `capuchin_tf.function`.
+    max_signatures, verbose, keep_failures: as in `capuchin_tf.function`.
     """
 
     def __init__(self, memory_budget: int | float | str | None = None, policy: str = "capuchin",
@@ -51,13 +51,14 @@ class CapuchinCallback(keras.callbacks.Callback):
                  plan_cache: str | os.PathLike | None = None, feedback: bool = True, max_replans: int = 20,
                  settle_steps: int = 10, background_builds: bool = True, planned_layout: bool = False,
                  strict: bool = False,
-                 max_signatures: int = MAX_SIGNATURES, verbose: bool = False):
+                 max_signatures: int = MAX_SIGNATURES, verbose: bool = False,
+                 keep_failures: str | os.PathLike | None = None):
         super().__init__()
         self.options = decorator.make_options(
             memory_budget, policy=policy, link=link, policy_options={} if policy_options is None else policy_options,
             plan_cache=plan_cache, feedback=feedback, max_replans=max_replans, settle_steps=settle_steps,
             background_builds=background_builds, planned_layout=planned_layout, strict=strict,
-            max_signatures=max_signatures, verbose=verbose)
+            max_signatures=max_signatures, verbose=verbose, keep_failures=keep_failures)
         self._steps: dict[str, ManagedStep] = {}  # batch structure (repr of its template) -> its step
         self._steps_model: keras.Model | None = None  # the model the steps train
         self._original: Callable | None = None  # the model's own train_function, restored at the end of training

@@ -1,10 +1,20 @@
-"""The runtime's errors and what they quote: the out-of-memory line, and what the device's bytes in use were."""
+"""The runtime's errors and what they quote: the out-of-memory line, what the device's bytes in use were, and what a
+planning failure keeps (its trace and its error, for `python -m capuchin_tf plan --replay`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import traceback
 from collections.abc import Mapping
 
+from capuchin_tf import _version
 from capuchin_tf.core.budget import format_bytes
+
+FAILURE_KIND = "capuchin_tf planning failure"
 
 
 def oom_line(error: Exception) -> str:
@@ -48,3 +58,35 @@ class BudgetError(CapuchinError):
 
 class Refusal(Exception):
     """Why capuchin_tf does not manage a signature (internal: ManagedStep._refuse turns it into one warning)."""
+
+
+def keep_planning_failure(directory: str | os.PathLike, trace, error: BaseException, *, budget_bytes: int,
+                          policy: str, planner_options: Mapping, device_model, signature: str = "") -> pathlib.Path:
+    """Writes what planning failed on into a new directory under `directory`: the trace (``trace.json``) and
+    ``failure.json`` (the error and its traceback, the budget, policy, planner options and device model the planner
+    had), so that ``python -m capuchin_tf plan --replay DIR`` plans it again as the runtime did. Returns that
+    directory. OSError when it cannot be written."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    root = pathlib.Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    for n in range(1000):
+        path = root / f"planning-failure-{stamp}-{os.getpid()}-{n}"
+        try:
+            path.mkdir()
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"no free name for a planning failure under {root}")
+    trace.save(path / "trace.json")
+    record = {
+        "kind": FAILURE_KIND, "schema_version": 1, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "capuchin_tf_version": _version.__version__, "signature": signature,
+        "error": f"{type(error).__name__}: {error}",
+        "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+        "budget_bytes": int(budget_bytes), "policy": policy, "planner_options": dict(planner_options),
+        "device_model": dataclasses.asdict(device_model),
+        "replay": f"python -m capuchin_tf plan --replay {path}",
+    }
+    (path / "failure.json").write_text(json.dumps(record, indent=1, default=repr))
+    return path

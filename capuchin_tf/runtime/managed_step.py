@@ -95,7 +95,14 @@ from capuchin_tf.policy.hybrid import assumed_placement_error, placed_step_s
 from capuchin_tf.policy.plan_cache import CacheKey, PlanCache
 from capuchin_tf.policy.simulator import lower_bound_s, simulate
 from capuchin_tf.runtime import heap, recovery
-from capuchin_tf.runtime.errors import BudgetError, CapuchinError, Refusal, in_use_breakdown, oom_line
+from capuchin_tf.runtime.errors import (
+    BudgetError,
+    CapuchinError,
+    Refusal,
+    in_use_breakdown,
+    keep_planning_failure,
+    oom_line,
+)
 from capuchin_tf.runtime.options import Options
 from capuchin_tf.runtime.signature import SignatureState, StepRecord, signature_key
 from capuchin_tf.tf import capture, function_surgery, measure, ops, rewrite
@@ -254,6 +261,7 @@ class ManagedStep:
                 "settled": st.steps_since_change >= self.options.settle_steps and st.build is None,
                 "building": st.build is not None,  # a plan change under way off the critical path
                 "fallback_reason": st.fallback_reason,
+                "kept_failure": st.kept_failure,  # where a planning failure was kept (Options.keep_failures)
                 # the policy whose plan runs (another than the step's policy after a measured arbitration), and each
                 # trial policy considered -> what came of it (policy.feedback, "measured arbitration")
                 "plan_policy": plan.policy if plan else None,
@@ -549,8 +557,12 @@ class ManagedStep:
             if self.options.strict:
                 state.snapshot.restore()
                 raise CapuchinError(f"capuchin_tf cannot manage this step ({state.key}): planning failed "
-                                    f"({type(e).__name__}: {e}); the variables are as they were before the call") from e
-            self._refuse(state, str(e) if isinstance(e, Refusal) else f"planning failed ({type(e).__name__}: {e})")
+                                    f"({type(e).__name__}: {e}); the variables are as they were before the call"
+                                    + (f"; its trace and error are kept in {state.kept_failure}"
+                                       if state.kept_failure else "")) from e
+            self._refuse(state, str(e) if isinstance(e, Refusal) else
+                         f"planning failed ({type(e).__name__}: {e})"
+                         + (f"; its trace and error are kept in {state.kept_failure}" if state.kept_failure else ""))
         if self.cache is not None and state.fn is not None and state.fallback_reason is None:
             try:
                 self.cache.store(self._cache_key(state, args), state.plan, extra={"trace": trace.to_json()})
@@ -667,8 +679,26 @@ class ManagedStep:
                                              and trace.peak_bytes <= NOTHING_TO_SAVE * self.options.budget_bytes)):
             state.plan, state.plan_budget, state.fn = None, budget or 0, None  # nothing to save: run the plain step
             return
-        plan = make_plan(trace, budget, self.options.policy, device_model, **self.options.planner_options())
+        try:
+            plan = make_plan(trace, budget, self.options.policy, device_model, **self.options.planner_options())
+        except Exception as e:
+            self._keep_planning_failure(state, e, budget, device_model)
+            raise
         self._install(state, plan, budget)
+
+    def _keep_planning_failure(self, state: SignatureState, error: Exception, budget: int, device_model) -> None:
+        """With Options.keep_failures: the trace and the error planning failed on, kept (state.kept_failure)."""
+        if self.options.keep_failures is None:
+            return
+        try:
+            path = keep_planning_failure(self.options.keep_failures, state.trace, error, budget_bytes=budget,
+                                         policy=self.options.policy, planner_options=self.options.planner_options(),
+                                         device_model=device_model, signature=str(state.key))
+        except OSError as e:
+            warnings.warn(f"capuchin_tf: the planning failure could not be kept in {self.options.keep_failures} "
+                          f"({e})", RuntimeWarning, stacklevel=5)
+            return
+        state.kept_failure = str(path)
 
     def _install(self, state: SignatureState, plan: Plan, budget: int) -> bool:
         """Rewrites the step for `plan` now (a change under way off the critical path is dropped). If that fails: the

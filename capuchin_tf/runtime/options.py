@@ -48,6 +48,9 @@ class Options:
     strict: raise `CapuchinError` where capuchin_tf would otherwise refuse a step (one warning, then plain TF).
     max_signatures: input signatures kept, each with its own measurement and plan (least recently used out).
     verbose: say what happens (plans, retries, passive rescues) as it goes.
+    keep_failures: a directory; when planning fails, the trace and the error are written into a new directory there
+        (runtime.errors.keep_planning_failure) and the warning names it: `python -m capuchin_tf plan --replay DIR`
+        plans it again as the runtime did.
     """
 
     budget_bytes: int | None = None
@@ -67,6 +70,7 @@ class Options:
     strict: bool = False
     max_signatures: int = MAX_SIGNATURES
     verbose: bool = False
+    keep_failures: str | None = None
 
     @classmethod
     def make(cls, *, memory_budget: int | float | str | None = None, device_limit: int | None = None,
@@ -103,8 +107,10 @@ class Options:
             raise ValueError(f"link_clock_s sets the p100 link's clock; the link is {link!r}")
         if not isinstance(self.policy_options, Mapping):
             raise TypeError(f"policy_options must be a mapping of option names to values, got {self.policy_options!r}")
-        if self.plan_cache is not None and not isinstance(self.plan_cache, (str, os.PathLike)):
-            raise TypeError(f"plan_cache must be a directory path (str or os.PathLike), got {self.plan_cache!r}")
+        for name in ("plan_cache", "keep_failures"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"{name} must be a directory path (str or os.PathLike), got {value!r}")
         for name in ("feedback", "background_builds", "planned_layout", "passive_rescue", "strict", "verbose"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -118,8 +124,9 @@ class Options:
                 raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
         # Frozen copies of what the caller may still hold.
         object.__setattr__(self, "policy_options", types.MappingProxyType(dict(self.policy_options)))
-        if self.plan_cache is not None:
-            object.__setattr__(self, "plan_cache", os.fspath(self.plan_cache))
+        for name in ("plan_cache", "keep_failures"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
 
     def replace(self, **changes) -> Options:
         """A checked copy with `changes` (field names)."""

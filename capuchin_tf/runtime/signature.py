@@ -69,6 +69,7 @@ class SignatureState:
     replans: int = 0
     steps_since_change: int = 0
     fallback_reason: str | None = None  # set: capuchin_tf refused the signature, which runs as plain TensorFlow
+    kept_failure: str | None = None  # where the last planning failure was kept (Options.keep_failures)
     from_cache: bool = False
     passive_fn: Any = None  # the step with passive mode's tensor pool (the last resort after repeated OOM)
     passive_only: bool = False  # no plan fits: every step runs in passive mode, as the measured one

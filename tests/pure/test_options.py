@@ -26,6 +26,7 @@ def test_budgets_take_one_syntax_and_stay_within_the_device():
     ({"link": True}, ValueError, "link must be one of"),
     ({"policy_options": [1]}, TypeError, "policy_options must be a mapping"),
     ({"plan_cache": 3}, TypeError, "plan_cache must be a directory path"),
+    ({"keep_failures": 3}, TypeError, "keep_failures must be a directory path"),
     ({"feedback": 1}, TypeError, "feedback must be True or False"),
     ({"passive_rescue": None}, TypeError, "passive_rescue must be True or False"),
     ({"max_replans": -1}, ValueError, "max_replans must be a non-negative integer"),
