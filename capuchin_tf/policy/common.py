@@ -10,7 +10,7 @@ from capuchin_tf.core.plan import AccessRef, Decision, Plan, SwapDecision, optio
 from capuchin_tf.core.trace_index import TraceIndex
 from capuchin_tf.policy.candidates import CandidatePair, Context
 from capuchin_tf.policy.placement import place
-from capuchin_tf.policy.simulator import SimulationResult, simulate
+from capuchin_tf.policy.simulator import InfeasiblePlanError, SimulationResult, simulate
 
 
 def access_ref(idx: TraceIndex, tid: str, k: int) -> AccessRef:
@@ -49,6 +49,25 @@ def with_predictions(decisions: Sequence[Decision], sim: SimulationResult) -> tu
     return tuple(dataclasses.replace(d, predicted_stall_s=float(sim.stalls.get(d.tensor, 0.0))) for d in decisions)
 
 
+def simulate_feasible(trace, decisions: Sequence[Decision], device_model, index) -> tuple[list, SimulationResult]:
+    """(decisions, their simulation), less the decisions the simulator names as infeasible, one round at a time.
+    The planners check a replay's sources and a swap's accesses on positions in the trace; the simulator checks them
+    on the times it replays (a source freed before a replay it triggers early, a read between an eviction and its
+    back-access that the positions did not see), and it decides: the decision it names stays on the device. Raises
+    InfeasiblePlanError when it names none of them."""
+    decisions = list(decisions)
+    while True:
+        try:
+            return decisions, simulate(trace, decisions, device_model, index=index)
+        except InfeasiblePlanError as e:
+            message = str(e)
+            named = [d for d in decisions if repr(d.tensor) in message]
+            if not named:
+                raise
+            first = min(named, key=lambda d: message.index(repr(d.tensor)))
+            decisions = [d for d in decisions if d is not first]
+
+
 def fits(ctx: Context, sim: SimulationResult) -> bool:
     return sim.peak_bytes + ctx.margin <= ctx.budget
 
@@ -63,9 +82,14 @@ def finalize(
     sim: SimulationResult | None = None,
     reason: str | None = None,
 ) -> Plan:
-    """Simulates `decisions` (unless `sim` is given) and wraps them into a Plan."""
+    """Simulates `decisions` (unless `sim` is given) and wraps them into a Plan. Simulated here, a decision the
+    simulator finds infeasible stays on the device (`simulate_feasible`; the plan's options count them,
+    ``kept_on_device``)."""
     if sim is None:
-        sim = simulate(ctx.trace, decisions, ctx.dm, index=ctx.idx)
+        made = len(decisions)
+        decisions, sim = simulate_feasible(ctx.trace, decisions, ctx.dm, ctx.idx)
+        if len(decisions) < made:
+            options = {**(options or {}), "kept_on_device": made - len(decisions)}
     feasible = fits(ctx, sim)
     peak = sim.peak_bytes + ctx.margin
     if feasible:

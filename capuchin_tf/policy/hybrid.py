@@ -33,7 +33,7 @@ from capuchin_tf.core.trace_index import TraceIndex
 from capuchin_tf.policy import placement
 from capuchin_tf.policy.baselines import plan_checkpoint
 from capuchin_tf.policy.candidates import CandidatePair, candidate_pairs, make_context, recompute_pair
-from capuchin_tf.policy.common import finalize, fits, swap_decision
+from capuchin_tf.policy.common import finalize, fits, simulate_feasible, swap_decision
 from capuchin_tf.policy.recompute import (
     RECOMPUTE_EVICTION,
     SWAP_EVICTION,
@@ -555,7 +555,7 @@ def hybrid(
     need = h.free_swaps(ctx.target)
     h.mixed(need)
 
-    decisions, sim = _simulate_feasible(trace, h.decisions(), device_model, ctx.idx)
+    decisions, sim = simulate_feasible(trace, h.decisions(), device_model, ctx.idx)
     reason = None
     for _ in range(max_rounds):
         if fits(ctx, sim):
@@ -571,7 +571,7 @@ def hybrid(
                 f"{ctx.budget} bytes, and no remaining candidate tensor can be off the device there"
             )
             break
-        decisions, sim = _simulate_feasible(trace, h.decisions(), device_model, ctx.idx)
+        decisions, sim = simulate_feasible(trace, h.decisions(), device_model, ctx.idx)
 
     def finish(decisions, sim) -> Plan:
         if early_recompute and recompute and any(d.kind == "recompute" for d in decisions):
@@ -616,27 +616,11 @@ def _cover_placement(h: _Hybrid, ctx, trace, decisions: list, sim, device_model,
         pos = max(bisect.bisect_right(sim.op_start, over.time) - 1, 0)
         if not h.cover_peak(pos, max(over.nbytes - over.largest_free, over.top - limit)):
             break
-        covered, covered_sim = _simulate_feasible(trace, h.decisions(), device_model, ctx.idx)
+        covered, covered_sim = simulate_feasible(trace, h.decisions(), device_model, ctx.idx)
         if not fits(ctx, covered_sim):
             break
         decisions, sim = covered, covered_sim
     return decisions, sim
-
-
-def _simulate_feasible(trace, decisions: list, device_model, index) -> tuple[list, object]:
-    """(decisions, their simulation), less the decisions the simulator names as infeasible, one round at a time (a
-    replay whose source the greedy's bookkeeping kept although another decision evicts it: recompute.py keeps a
-    chosen target's old chain rather than lose it). Raises InfeasiblePlanError when it names none of them."""
-    while True:
-        try:
-            return decisions, simulate(trace, decisions, device_model, index=index)
-        except InfeasiblePlanError as e:
-            message = str(e)
-            named = [d for d in decisions if repr(d.tensor) in message]
-            if not named:
-                raise
-            first = min(named, key=lambda d: message.index(repr(d.tensor)))
-            decisions = [d for d in decisions if d is not first]
 
 
 __all__ = ["plan_capuchin", "plan_swap_only", "plan_recompute_only", "hybrid"]

@@ -167,3 +167,28 @@ def test_checkpoint_fits_the_measured_transformer_whose_forward_order_moved_chen
     assert dict(plan.options)["articulation_points"] == 11
     capuchin = make_plan(trace, budget, "capuchin", DeviceModel.from_link("p100", trace), fallback=True)
     assert dict(capuchin.options).get("fallback") == "checkpoint"  # its fallback, placed with room, is this plan
+
+
+def test_a_decision_the_simulator_refuses_stays_on_the_device(monkeypatch):
+    """The checkpoint plan checks its replays on trace positions, the simulator on the times they run: where they
+    disagree, the decision the simulator names is kept on the device and the rest of the plan stands (the zoo's
+    inceptionv3 and densenet121 tiers once refused for an InfeasiblePlanError of this kind, docs/decisions.md)."""
+    import dataclasses
+
+    from capuchin_tf.policy import baselines
+
+    made = baselines._checkpoint_decisions
+
+    def broken(*args, **kwargs):
+        decisions = made(*args, **kwargs)
+        i = next(i for i, d in enumerate(decisions) if len(d.replay_ops) >= 2)
+        decisions[i] = dataclasses.replace(decisions[i], replay_ops=decisions[i].replay_ops[1:])  # a source missing
+        return decisions
+
+    trace = synthetic.resnet(8, batch=16)
+    whole = make_plan(trace, 1 << 40, "checkpoint", NATIVE)
+    monkeypatch.setattr(baselines, "_checkpoint_decisions", broken)
+    plan = make_plan(trace, 1 << 40, "checkpoint", NATIVE)
+    simulate(trace, plan.decisions, NATIVE)  # valid (raises otherwise)
+    kept = dict(plan.options)["kept_on_device"]
+    assert kept >= 1 and len(plan.decisions) == len(whole.decisions) - kept and plan.recomputes

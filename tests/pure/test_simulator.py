@@ -298,7 +298,7 @@ def test_the_hybrid_sheds_the_decision_the_simulator_names_and_keeps_the_rest():
     """A greedy round can keep a replay whose source another decision evicts (recompute.py keeps a chosen target's
     old chain rather than lose it): the hybrid drops the decision the simulator names, not the whole plan, and never
     passes the simulator's error on while a named decision is left to drop."""
-    from capuchin_tf.policy.hybrid import _simulate_feasible
+    from capuchin_tf.policy.common import simulate_feasible as _simulate_feasible
 
     t = five_ops()
     keep = swap(t, "f1:0", 1, 2, None)
