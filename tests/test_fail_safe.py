@@ -302,3 +302,31 @@ def test_a_budget_below_what_the_step_needs_at_once_names_what_was_in_use():
     assert unit == "MiB" and float(value) >= 1.0, message  # the kernel's first float32 temporary
     assert "op 'MatMul' asked for 6.12 MiB" in message, message  # the float32 copy of x
     assert digest([w]) == before
+
+
+def test_optimizer_slots_that_share_a_buffer_count_in_the_floor():
+    # Keras starts an optimizer's zeros slots of one shape as one cached zeros tensor: until their first write, Adam's m
+    # and v and the gradient accumulators of a weight share its buffer, and the device holds a third of what they will
+    # own (AdamW with EMA and gradient accumulation through model.fit: 28 MiB on the device, 110 MiB laid out). A
+    # budget below what they will own is refused before anything runs.
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(4096, use_bias=False), keras.layers.Dense(10)])
+    optimizer = keras.optimizers.AdamW(1e-3, gradient_accumulation_steps=2)
+    x, y = tf.ones([32, 1024]), tf.zeros([32], tf.int32)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    train_step.get_concrete_function(x, y)  # the slots exist, sharing buffers
+    weight = 1024 * 4096 * 4
+    before = [v.numpy().tobytes() for v in model.variables]
+    step = capuchin_tf.function(train_step, memory_budget=budget_now(0) + 3 * weight)
+    with pytest.raises(capuchin_tf.BudgetError, match="share one buffer until their first write.*nothing was run"):
+        step(x, y)
+    assert [v.numpy().tobytes() for v in model.variables] == before

@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 import traceback
 from collections.abc import Mapping
 
@@ -17,11 +18,37 @@ from capuchin_tf.core.budget import format_bytes
 FAILURE_KIND = "capuchin_tf planning failure"
 
 
+# Paragraphs of a TensorFlow graph error that frame its message rather than say it.
+_FRAME = ("Graph execution error", "Detected at node", "Detected unsupported operations", "<stack traces", "File \"")
+_NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]|Detected at node '?([^'\s]+)'? defined at")
+
+
 def oom_line(error: Exception) -> str:
-    """The line of an error's message that says what could not be allocated (else its first line), at most 300
-    characters: what the CLIs and CapuchinError quote."""
-    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()] or [""]
-    return next((ln for ln in lines if "OOM when allocating" in ln), lines[0])[:300]
+    """The line of an error's message that says what could not be allocated, else what went wrong, at most 300
+    characters: what the CLIs and CapuchinError quote. A TensorFlow graph error's first line is only "Graph execution
+    error:" and its stack follows: its message is the first paragraph after them, with the node it names."""
+    text = str(error)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()] or [""]
+    oom = next((ln for ln in lines if "OOM when allocating" in ln), None)
+    if oom is not None:
+        return oom[:300]
+    if not lines[0].startswith(_FRAME):
+        return lines[0][:300]
+    first = None
+    for paragraph in re.split(r"\n\s*\n", text):
+        said = [ln.strip() for ln in paragraph.splitlines() if ln.strip()]
+        if not said or said[0].startswith('File "'):  # a frame of the stack and its code line
+            continue
+        while said and said[0].startswith(_FRAME):
+            said.pop(0)
+        if said and not said[0].startswith("[["):
+            first = said[0]
+            break
+    if first is None:
+        return lines[0][:300]
+    node = _NODE.search(text)
+    name = next((g for g in node.groups() if g), None) if node else None
+    return (f"{first} (node {name})" if name and name not in first else first)[:300]
 
 
 def in_use_breakdown(in_use: int, start_bytes: int, stats: Mapping) -> str:

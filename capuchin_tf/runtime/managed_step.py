@@ -390,7 +390,10 @@ class ManagedStep:
             raise Refusal(f"its optimized graph could not be imported ({e})") from e
         state.optimized_model = capture.graph_model(state.optimized, state.shaped)
         floor = working_set_floor(fold_views(state.optimized_model))
-        persistent = tf.config.experimental.get_memory_info(DEVICE)["current"]
+        # What is on the device, and what variables that share a buffer will own (Keras' optimizer slots start as one
+        # zeros tensor per shape: AdamW with EMA and gradient accumulation has 4x the model's weights in them).
+        persistent = (tf.config.experimental.get_memory_info(DEVICE)["current"]
+                      + recovery.shared_variable_bytes(captures))
         state.floor_bytes, state.floor_op = persistent + floor.bytes, floor.op
         if self.options.budget_bytes is not None and state.floor_bytes > self.options.budget_bytes:
             raise BudgetError(
@@ -398,7 +401,9 @@ class ManagedStep:
                 f"needs at "
                 f"once: op {floor.op!r} ({floor.op_type}) reads and writes {format_bytes(floor.bytes)} of tensors "
                 f"while {format_bytes(persistent)} of persistent state (variables, optimizer slots, the step's "
-                f"inputs) is on the device. No budget below {format_bytes(state.floor_bytes)} can work (the op's "
+                f"inputs; optimizer slots that share one buffer until their first write counted once each) is on the "
+                f"device. No budget below "
+                f"{format_bytes(state.floor_bytes)} can work (the op's "
                 "temporaries come on top); nothing was run.")
 
     def _size_small_pool(self, state: SignatureState) -> None:

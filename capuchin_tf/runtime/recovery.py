@@ -260,6 +260,19 @@ class Compaction:
     largest_free_after: int
 
 
+def shared_variable_bytes(handles: Sequence) -> int:
+    """The bytes the variables among `handles` will own that the device does not hold yet: variables that share one
+    buffer (TensorFlow initializes every zeros slot of a shape from one cached zeros tensor: Adam's m and v, EMA copies,
+    gradient accumulators) each take a buffer of their own at their first write, and when compact_variables lays them
+    out. What counts as persistent state before the step has run is `current` plus these."""
+    buffers: dict[int, list[int]] = {}
+    for h in _variable_handles(handles):
+        value = tf.raw_ops.ReadVariableOp(resource=h, dtype=variable_dtype(h))._numpy()  # the buffer itself on CPU
+        if value.nbytes:
+            buffers.setdefault(value.__array_interface__["data"][0], []).append(value.nbytes)
+    return sum(sum(sizes) - max(sizes) for sizes in buffers.values())
+
+
 def _variable_handles(handles: Sequence) -> list:
     """The initialized variables among `handles`, each once (one a step creates is initialized at its first call)."""
     seen, out = set(), []
