@@ -2,10 +2,11 @@
 
 Each setup (a Keras model, optimizer and fit arguments: sample and class weights, validation data, multiple inputs and
 outputs, a custom train_step, an optimizer with EMA, gradient accumulation and clipping, ConvLSTM2D and
-GroupNormalization) is fitted for 2 epochs of 3 batches plain on a 4096 MiB simulated device, then with the callback
-at a budget of `--fraction` of that run's peak on the same device (the budget below the device: the allocator holds
-it, and a peak under it is the plan's). Per setup: the outcome (guided and bit for bit, a refusal and its message,
-or a difference), the peaks, and the callback's report.
+GroupNormalization, random augmentation layers, string inputs through TextVectorization, a 50000-row embedding, a
+host function in the forward pass) is fitted for 2 epochs of 3 batches plain on a 4096 MiB simulated device, then
+with the callback at a budget of `--fraction` of that run's peak on the same device (the budget below the device: the
+allocator holds it, and a peak under it is the plan's). Per setup: the outcome (guided and bit for bit, a refusal
+and its message, or a difference), the peaks, and the callback's report.
 
     .venv/bin/python tools/probe_fit_setups.py --fraction 0.85 --json out.json [--setups a,b]
 """
@@ -20,7 +21,7 @@ import textwrap
 import time
 
 SETUPS = ("mnv2-sw-val", "resnet-classweight-l2", "ema-accum-clip", "multi-io", "custom-train-step",
-          "convlstm-groupnorm")
+          "convlstm-groupnorm", "augment", "text", "sparse-embedding", "numpy-function")
 DEVICE_MB = 4096
 
 WORKER = """
@@ -137,6 +138,47 @@ elif setup == "convlstm-groupnorm":
     h = keras.layers.GroupNormalization(groups=4)(h)
     h = keras.layers.GlobalAveragePooling3D()(h)
     model = keras.Model(inp, keras.layers.Dense(3)(h)); opt = keras.optimizers.Nadam(1e-3); metrics = ["accuracy"]
+elif setup == "augment":
+    x = rng.standard_normal((N, 32, 32, 3)).astype("float32"); y = rng.integers(0, 10, N).astype("int32")
+    inp = keras.Input((32, 32, 3))
+    h = keras.layers.RandomFlip("horizontal", seed=1)(inp)
+    h = keras.layers.RandomRotation(0.1, seed=2)(h)
+    h = keras.layers.RandomZoom(0.1, seed=3)(h)
+    for f in (32, 64, 128):
+        h = keras.layers.Conv2D(f, 3, padding="same", activation="relu")(h)
+        h = keras.layers.BatchNormalization()(h); h = keras.layers.MaxPool2D()(h)
+    h = keras.layers.Dropout(0.25, seed=4)(keras.layers.Flatten()(h))
+    model = keras.Model(inp, keras.layers.Dense(10)(h)); opt = keras.optimizers.Adam(1e-3); metrics = ["accuracy"]
+elif setup == "text":
+    words = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"])
+    x = np.array([" ".join(rng.choice(words, 40)) for _ in range(N)]); y = rng.integers(0, 2, N).astype("int32")
+    vectorize = keras.layers.TextVectorization(max_tokens=64, output_sequence_length=40)
+    vectorize.adapt(x)
+    inp = keras.Input((1,), dtype="string")
+    h = keras.layers.Embedding(64, 256)(vectorize(keras.layers.Reshape(())(inp)))
+    h = keras.layers.Conv1D(256, 5, padding="same", activation="relu")(h)
+    h = keras.layers.Bidirectional(keras.layers.LSTM(64, return_sequences=True))(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(inp, keras.layers.Dense(2)(h)); opt = keras.optimizers.Adam(1e-3); metrics = ["accuracy"]
+    x = x.reshape(N, 1)
+elif setup == "sparse-embedding":
+    x = rng.integers(0, 50000, (N, 64)).astype("int32"); y = rng.integers(0, 10, N).astype("int32")
+    inp = keras.Input((64,), dtype="int32")
+    h = keras.layers.Embedding(50000, 64)(inp)
+    h = keras.layers.Dense(512, activation="relu")(keras.layers.Flatten()(h))
+    model = keras.Model(inp, keras.layers.Dense(10)(h)); opt = keras.optimizers.Adam(1e-3); metrics = ["accuracy"]
+elif setup == "numpy-function":
+    x = rng.standard_normal((N, 256)).astype("float32"); y = rng.integers(0, 10, N).astype("int32")
+
+    def host_side(t):  # a host computation in the forward pass: tf.numpy_function, no gradient through it
+        out = tf.numpy_function(lambda a: np.tanh(a).astype("float32"), [t], tf.float32)
+        return tf.stop_gradient(tf.ensure_shape(out, t.shape))
+
+    inp = keras.Input((256,))
+    h = keras.layers.Dense(1024, activation="relu")(inp)
+    h = keras.layers.Add()([h, keras.layers.Lambda(host_side, output_shape=(1024,))(h)])
+    h = keras.layers.Dense(1024, activation="relu")(h)
+    model = keras.Model(inp, keras.layers.Dense(10)(h)); opt = keras.optimizers.SGD(0.01); metrics = ["accuracy"]
 else:
     raise SystemExit(f"unknown setup {setup}")"""
 
