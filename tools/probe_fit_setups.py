@@ -160,7 +160,7 @@ elif setup == "text":
     h = keras.layers.Bidirectional(keras.layers.LSTM(64, return_sequences=True))(h)
     h = keras.layers.GlobalAveragePooling1D()(h)
     model = keras.Model(inp, keras.layers.Dense(2)(h)); opt = keras.optimizers.Adam(1e-3); metrics = ["accuracy"]
-    x = x.reshape(N, 1)
+    x = tf.constant(x.reshape(N, 1).tolist())  # a string tensor (Keras refuses numpy's fixed-width strings)
 elif setup == "sparse-embedding":
     x = rng.integers(0, 50000, (N, 64)).astype("int32"); y = rng.integers(0, 10, N).astype("int32")
     inp = keras.Input((64,), dtype="int32")
