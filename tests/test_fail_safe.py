@@ -6,6 +6,7 @@ import json
 import threading
 import warnings
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -172,6 +173,53 @@ def test_the_step_own_error_is_raised_and_nothing_is_marked(monkeypatch):
     managed(tf.ones([64, 64]))
     (report,) = managed.report().values()
     assert report["steps"][0]["phase"] == "measured" and report["fallback_reason"] is None
+
+
+def test_a_step_that_reads_a_lookup_table_is_managed():
+    # A lookup table read (Keras' TextVectorization, StringLookup) writes nothing: the step is measured and guided like
+    # any other, bit for bit, not refused as state capuchin_tf cannot restore (it was, before the table's read ops were
+    # known as reads). Op determinism: the embedding's sparse update sums duplicate rows in a thread-dependent order
+    # without it, in plain TensorFlow too.
+    tf.config.experimental.enable_op_determinism()
+
+    def build():
+        keras.utils.set_random_seed(0)
+        lookup = keras.layers.StringLookup(vocabulary=["alpha", "beta", "gamma", "delta"])
+        layers = [keras.layers.Embedding(lookup.vocabulary_size(), 256), keras.layers.Dense(256, activation="relu"),
+                  keras.layers.Dense(256, activation="relu")]
+        head = keras.layers.Dense(4)
+        optimizer = keras.optimizers.SGD(0.1)
+        variables = []
+
+        @tf.function
+        def step(words, labels):
+            with tf.GradientTape() as tape:
+                h = lookup(words)
+                for layer in layers:
+                    h = layer(h)
+                logits = head(tf.reduce_mean(h, axis=1))
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+            variables[:] = [v for layer in layers + [head] for v in layer.trainable_variables]
+            optimizer.apply(tape.gradient(loss, variables), variables)
+            return loss
+
+        return step, variables
+
+    words = tf.constant([["alpha", "gamma", "beta", "zeta"] * 16] * 64)  # 4 MiB a [64, 64, 256] activation
+    labels = tf.constant(np.arange(64) % 4, tf.int32)
+    step, variables = build()
+    plain = [float.hex(float(step(words, labels))) for _ in range(3)]
+    expected = digest(variables)
+    step, variables = build()
+    managed = capuchin_tf.function(step, memory_budget=budget_now(16))  # a transient peak of about 16 MiB
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [float.hex(float(managed(words, labels))) for _ in range(3)] == plain
+    assert digest(variables) == expected
+    assert not [str(w.message) for w in caught if "capuchin_tf" in str(w.message)]
+    (report,) = managed.report().values()
+    assert [s["phase"] for s in report["steps"]] == ["measured", "guided", "guided"], report
+    assert report["swapped_tensors"] + report["recomputed_tensors"] > 0, report
 
 
 def test_a_step_that_writes_state_capuchin_cannot_restore_is_refused_before_it_runs():

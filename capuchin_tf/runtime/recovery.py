@@ -34,6 +34,9 @@ from capuchin_tf.tf import capture, ops
 READ_ONLY_RESOURCE_OPS = frozenset({
     "ReadVariableOp", "_ReadVariablesOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
     "VarIsInitializedOp", "_Retval", "Capuchin>Hold", "Capuchin>Get",
+    # Lookup tables read (Keras' TextVectorization, StringLookup, IntegerLookup in a model's step)
+    "LookupTableFindV2", "LookupTableFind", "LookupTableSizeV2", "LookupTableSize", "LookupTableExportV2",
+    "LookupTableExport",
 })
 # Ops that pass a resource handle through (to the op that uses it).
 HANDLE_PASS_THROUGH_OPS = frozenset({
