@@ -246,6 +246,26 @@ def test_a_step_that_writes_state_capuchin_cannot_restore_is_refused_before_it_r
     assert float(v.numpy()) == 3.0
 
 
+def test_a_step_that_writes_a_summary_is_refused_with_what_to_do(tmp_path):
+    # A summary written in the step (tf.summary's ops, here the raw op: TensorBoard is not installed) is refused like
+    # any write capuchin_tf cannot restore, and the warning says how to keep the step managed.
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    v = tf.Variable(1.0)
+
+    @tf.function
+    def step(x):
+        v.assign_add(x)
+        tf.raw_ops.WriteScalarSummary(writer=writer._resource, step=tf.constant(0, tf.int64), tag="v", value=v)
+        return v
+
+    managed = capuchin_tf.function(step, memory_budget=budget_now(4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert float(managed(tf.constant(2.0))) == 3.0
+    (message,) = [str(w.message) for w in caught if "capuchin_tf" in str(w.message)]
+    assert "WriteScalarSummary" in message and "write summaries outside the managed step" in message
+
+
 def test_decisions_are_per_input_shape_and_bounded():
     # An input signature with open dimensions is one concrete function for every batch size; a batch-16 decision
     # must not be reused at batch 4096. Each shape is measured and planned on its own, at most max_signatures

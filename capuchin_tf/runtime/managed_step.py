@@ -57,6 +57,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import statistics
 import sys
 import threading
@@ -376,9 +377,12 @@ class ManagedStep:
                          for w, indices in writes.writers.items()
                          if any(recovery.variable_dtype(captures[i]) is None for i in indices)]
         if writes.unknown or not_variables:
+            named = list(writes.unknown) + not_variables
+            # A summary written in the step would be written again by a retried attempt.
+            hint = ("; write summaries outside the managed step (return the values and call tf.summary after it)"
+                    if any(re.search(r"\(Write\w*Summary\)$", w) for w in named) else "")
             raise Refusal(f"it writes state capuchin_tf cannot copy and restore after a failure: "
-                           f"{', '.join((list(writes.unknown) + not_variables)[:3])} (a resource that is not a "
-                           "captured variable)")
+                           f"{', '.join(named[:3])} (a resource that is not a captured variable){hint}")
         try:
             state.snapshot = recovery.Snapshot(captures, writes.captures)
         except ValueError as e:
