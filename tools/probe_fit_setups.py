@@ -54,6 +54,8 @@ with warnings.catch_warnings(record=True) as caught:
                             **fit_kw)
     except Exception as e:  # noqa: BLE001  (a refusal is a result)
         error = f"{{type(e).__name__}}: {{e}}"
+# (a managed step resets the device's peak at its start: with the callback this is the last step's peak and what came
+# after it; the report's `peaks` are each managed step's)
 res = {{"setup": setup, "mode": mode, "budget_mb": budget, "ok": error is None, "error": error,
         "peak_bytes": tf.config.experimental.get_memory_info("CPU:0")["peak"],
         "warnings": [str(w.message) for w in caught if "capuchin_tf" in str(w.message)]}}
@@ -227,8 +229,9 @@ def main() -> int:
         budget = int(a.fraction * plain.get("peak_bytes", 0) / 2**20) if plain["ok"] else None
         managed = run(setup, "capuchin", budget, a.timeout) if budget else {"ok": False, "error": "no budget"}
         results.append({"setup": setup, "outcome": outcome(plain, managed), "plain": plain, "capuchin": managed})
+        steps = [p for r in managed.get("report") or [] for p in r["peaks"]]
         print(f"{setup}: {results[-1]['outcome']}; plain peak {plain.get('peak_bytes', 0) / 2**20:.1f} MiB, budget "
-              f"{budget} MiB, managed peak {(managed.get('peak_bytes') or 0) / 2**20:.1f} MiB"
+              f"{budget} MiB, managed steps' peak {max(steps, default=0) / 2**20:.1f} MiB"
               + (f"; {managed['error'][:400]}" if managed.get("error") else ""), flush=True)
     with open(a.json, "w") as f:
         json.dump({"kind": "capuchin_tf fit setups", "commit": git_commit(), "date": time.strftime("%Y-%m-%d"),
