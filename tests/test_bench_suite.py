@@ -317,6 +317,16 @@ def test_an_interleaved_policy_is_set_beside_its_prediction_on_its_plans_own_ste
         "from plain")
 
 
+def test_an_interleaved_variant_is_its_policy_with_the_variants_options():
+    """`capuchin+layout` runs capuchin with its planned layout beside capuchin itself; an unknown variant is refused."""
+    from capuchin_tf.cli import interleaved
+
+    assert interleaved.policy_variant("capuchin") == ("capuchin", {})
+    assert interleaved.policy_variant("capuchin+layout") == ("capuchin", {"planned_layout": True})
+    with pytest.raises(ValueError, match="unknown variant 'moves'"):
+        interleaved.policy_variant("capuchin+moves")
+
+
 def test_a_step_of_another_bit_fails_the_interleaved_run(monkeypatch):
     """The run's check can fail: one loss of plain TensorFlow's run different, and the run is not bit for bit; a
     policy left out (its step failed) is reported with its error, and the variables compared after as many steps."""

@@ -21,6 +21,9 @@ section (a step passive mode would have to rescue means the policy does not run 
 that fails leaves the variables as they were, so the run goes on. The link (p100) is clocked by plain TensorFlow's
 step for every policy (bench.link_clock), as in the suite.
 
+A policy named `policy+variant` (VARIANTS) is the policy with a variant's decorator options: `capuchin+layout` is
+capuchin with its planned layout (Options.planned_layout), measured against capuchin without it in the same process.
+
 Per policy: the median of its steps from its first guided step on (its measured step left out, as the suite's
 "median of steps 2-8"), against capuchin's; paired by round (each policy ran once in each), the median of its step
 over capuchin's and in how many rounds capuchin's was the faster; its re-plans, the bytes its steps evicted on demand
@@ -42,6 +45,19 @@ from capuchin_tf.core.budget import MiB
 
 #: The policies `bench interleaved` compares by default: capuchin first (the others' medians are set against its).
 DEFAULT_POLICIES = ("capuchin", "swap-only", "recompute-only", "checkpoint", "swap-all")
+
+#: Variants of a policy, named `policy+variant` in --policies: the same policy with these decorator options, so that
+#: an option is measured against the policy without it in one process (`capuchin,capuchin+layout`).
+VARIANTS = {"layout": {"planned_layout": True}}
+
+
+def policy_variant(name: str) -> tuple[str, dict]:
+    """`name` ("capuchin" or "capuchin+layout") as its policy and the decorator options of its variant; ValueError for
+    an unknown variant."""
+    policy, _, variant = name.partition("+")
+    if variant and variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r} of {policy!r}; valid variants: {', '.join(VARIANTS)}")
+    return policy, dict(VARIANTS.get(variant, {}))
 
 
 # ---- the worker (runs inside the fresh process) ----------------------------------------------------------------------
@@ -71,7 +87,8 @@ def _run_worker(a: argparse.Namespace) -> int:
     policies = [p for p in a.policies.split(",") if p]
     setup = models.build(a.model, a.batch)
     steps = {p: decorator.wrap_step(setup.train_step, decorator.make_options(
-        budget, policy=p, link=a.link, link_clock_s=a.link_clock_s, passive_rescue=False)) for p in policies}
+        budget, policy=policy_variant(p)[0], link=a.link, link_clock_s=a.link_clock_s, passive_rescue=False,
+        **policy_variant(p)[1])) for p in policies}
     record: list[dict] = []  # every step that completed, in the order they ran
     errors: dict[str, str] = {}
 
@@ -275,7 +292,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--transient-fraction", type=float,
                        help="budget = persistent + this fraction of plain TensorFlow's transient peak")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help=f"comma-separated, capuchin first for the ratios (default {','.join(DEFAULT_POLICIES)})")
+                   help=f"comma-separated, capuchin first for the ratios (default {','.join(DEFAULT_POLICIES)}); "
+                        f"policy+variant runs the policy with a variant's options ({', '.join(VARIANTS)}: "
+                        "planned_layout=True), e.g. capuchin,capuchin+layout")
     p.add_argument("--link", default="p100", help="link regime: native or p100 (default p100)")
     p.add_argument("--rounds", type=int, default=6, help="rounds after each policy's first two steps (default 6)")
     p.add_argument("--json", required=True, help="where to write the result")
@@ -288,10 +307,14 @@ def run(a: argparse.Namespace) -> int:
     from capuchin_tf.policy import POLICIES
 
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in POLICIES or p == "tf"]
+    try:
+        bad = [p for p in policies if policy_variant(p)[0] not in POLICIES or p.startswith("tf")]
+    except ValueError as e:
+        raise CliError(f"--policies: {e}") from None
     if not policies or bad:
-        raise CliError(f"--policies takes capuchin_tf's policies (not tf: plain TensorFlow does not fit the budget); "
-                       f"got {a.policies!r}; valid: {', '.join(sorted(set(POLICIES) - {'tf'}))}")
+        raise CliError(f"--policies takes capuchin_tf's policies (not tf: plain TensorFlow does not fit the budget), "
+                       f"each optionally with a variant (policy+{'|'.join(VARIANTS)}); got {a.policies!r}; valid: "
+                       f"{', '.join(sorted(set(POLICIES) - {'tf'}))}")
     if a.model not in MODELS:
         raise CliError(f"unknown model {a.model!r}; valid models: {', '.join(MODELS)}")
     if a.link not in LINK_NAMES:
