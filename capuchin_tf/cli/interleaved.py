@@ -22,7 +22,9 @@ that fails leaves the variables as they were, so the run goes on. The link (p100
 step for every policy (bench.link_clock), as in the suite.
 
 A policy named `policy+variant` (VARIANTS) is the policy with a variant's decorator options: `capuchin+layout` is
-capuchin with its planned layout (Options.planned_layout), measured against capuchin without it in the same process.
+capuchin with its planned layout (Options.planned_layout), measured against capuchin without it in the same process;
+a policy and its variants share a plan cache, so that all of them start from the plan the first of them made (the
+others' first call is a guided step) and go on with their own feedback.
 
 Per policy: the median of its steps from its first guided step on (its measured step left out, as the suite's
 "median of steps 2-8"), against capuchin's; paired by round (each policy ran once in each), the median of its step
@@ -37,7 +39,9 @@ import functools
 import json
 import pathlib
 import random
+import shutil
 import statistics
+import tempfile
 import time
 
 from capuchin_tf.cli.common import CliError, register_subcommand, run_worker, whole_mib
@@ -86,9 +90,14 @@ def _run_worker(a: argparse.Namespace) -> int:
     budget = a.budget_mb * MiB
     policies = [p for p in a.policies.split(",") if p]
     setup = models.build(a.model, a.batch)
+    # A policy and its variants share one plan cache: the first of them to run plans from its measured step, the
+    # others start from that plan (their first call a guided step), so that the variant's options, not two plans
+    # made from two traces, make the difference (each goes on with its own feedback).
+    caches = {policy_variant(p)[0]: tempfile.mkdtemp(prefix="capuchin_interleaved_") for p in policies
+              if policy_variant(p)[1]}
     steps = {p: decorator.wrap_step(setup.train_step, decorator.make_options(
         budget, policy=policy_variant(p)[0], link=a.link, link_clock_s=a.link_clock_s, passive_rescue=False,
-        **policy_variant(p)[1])) for p in policies}
+        plan_cache=caches.get(policy_variant(p)[0]), **policy_variant(p)[1])) for p in policies}
     record: list[dict] = []  # every step that completed, in the order they ran
     errors: dict[str, str] = {}
 
@@ -154,6 +163,8 @@ def _run_worker(a: argparse.Namespace) -> int:
               "losses_hex": [s["loss_hex"] for s in record], "variables_sha256": setup.variables_sha256(),
               "per_policy": per_policy}
     pathlib.Path(a.result).write_text(json.dumps(result, indent=1))
+    for cache in caches.values():
+        shutil.rmtree(cache, ignore_errors=True)
     return 0
 
 
