@@ -467,6 +467,32 @@ def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_on
     assert changed and installed[0][0] == 95 * MiB and installed[0][1].predicted_peak_bytes == 97 * MiB
 
 
+def test_the_planned_layout_comes_on_for_a_plan_whose_guided_steps_evict_on_demand():
+    """Options.planned_layout "auto" (the default): a plan's steps run on BFC's placement until one of them evicts on
+    demand, then under the planned layout; a new plan starts without it; True and False are always and never."""
+    from types import SimpleNamespace
+
+    from capuchin_tf.runtime.signature import SignatureState, StepRecord
+
+    step = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB)
+    assert step.options.planned_layout == "auto"
+    first, second = object(), object()
+    state = SignatureState(concrete=None, trace=SimpleNamespace(peak_bytes=200 * MiB), fn=first)
+    assert not step._layout_wanted(state)
+    step._note_layout(state, StepRecord("guided", 1.0, 90 * MiB, passive_evicted_bytes=0))
+    assert not step._layout_wanted(state)
+    step._note_layout(state, StepRecord("guided", 1.0, 100 * MiB, passive_evicted_bytes=16 * MiB))
+    assert step._layout_wanted(state) and state.layout_fn is first
+    state.fn = second  # a plan change: its own steps decide
+    assert not step._layout_wanted(state)
+    for setting, wanted in ((True, True), (False, False)):
+        fixed = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB, planned_layout=setting)
+        fixed._note_layout(state, StepRecord("guided", 1.0, 100 * MiB, passive_evicted_bytes=16 * MiB))
+        assert fixed._layout_wanted(state) is wanted and state.layout_fn is first
+    with pytest.raises(TypeError, match="planned_layout must be True, False or 'auto'"):
+        capuchin_tf.function(lambda x: x, memory_budget=100 * MiB, planned_layout="always")
+
+
 def test_a_passive_rescue_that_runs_out_of_memory_runs_once_more_after_restoring_the_variables(monkeypatch):
     # Where a passive run fails depends on BFC fragmentation: like the measured step, the rescue gets one more run;
     # every failed run has what it may have written restored first, the last one too, before the error is raised.

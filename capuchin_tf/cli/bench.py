@@ -192,9 +192,11 @@ def _run_worker(a: argparse.Namespace) -> int:
             # CAPUCHIN_TF_VERBOSE=1: the decorator says what it does (plans, retries, passive rescues) as it goes.
             # --stop-on-rescue: a step passive mode would have to rescue ends the run at once.
             # CAPUCHIN_TF_BACKGROUND_BUILDS=0: plan changes are built in the step that asks (for comparisons).
-            # CAPUCHIN_TF_PLANNED_LAYOUT=1: guided steps allocate by the planned layout (for comparisons).
+            # CAPUCHIN_TF_PLANNED_LAYOUT=1 / 0: guided steps allocate by the planned layout always / never (for
+            # comparisons; unset: "auto", Options.planned_layout).
             # CAPUCHIN_TF_KEEP_FAILURES=DIR: a planning failure's trace and error are kept there (Options).
-            layout = os.environ.get("CAPUCHIN_TF_PLANNED_LAYOUT", "0") not in ("", "0")
+            layout = {"": "auto", "auto": "auto", "0": False}.get(os.environ.get("CAPUCHIN_TF_PLANNED_LAYOUT", ""),
+                                                                    True)
             options = decorator.make_options(budget, policy=a.policy, link=a.link, link_clock_s=a.link_clock_s,
                                              passive_rescue=not a.stop_on_rescue,
                                              background_builds=os.environ.get("CAPUCHIN_TF_BACKGROUND_BUILDS",

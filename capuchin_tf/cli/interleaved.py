@@ -22,7 +22,8 @@ that fails leaves the variables as they were, so the run goes on. The link (p100
 step for every policy (bench.link_clock), as in the suite.
 
 A policy named `policy+variant` (VARIANTS) is the policy with a variant's decorator options: `capuchin+layout` is
-capuchin with its planned layout (Options.planned_layout), measured against capuchin without it in the same process;
+capuchin with its planned layout in every guided step (Options.planned_layout True; `+nolayout`: never; the policy
+itself: "auto"), measured against capuchin in the same process;
 a policy and its variants share a plan cache, so that all of them start from the plan the first of them made (the
 others' first call is a guided step) and go on with their own feedback.
 
@@ -52,7 +53,7 @@ DEFAULT_POLICIES = ("capuchin", "swap-only", "recompute-only", "checkpoint", "sw
 
 #: Variants of a policy, named `policy+variant` in --policies: the same policy with these decorator options, so that
 #: an option is measured against the policy without it in one process (`capuchin,capuchin+layout`).
-VARIANTS = {"layout": {"planned_layout": True}}
+VARIANTS = {"layout": {"planned_layout": True}, "nolayout": {"planned_layout": False}}
 
 
 def policy_variant(name: str) -> tuple[str, dict]:
@@ -304,8 +305,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="budget = persistent + this fraction of plain TensorFlow's transient peak")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help=f"comma-separated, capuchin first for the ratios (default {','.join(DEFAULT_POLICIES)}); "
-                        f"policy+variant runs the policy with a variant's options ({', '.join(VARIANTS)}: "
-                        "planned_layout=True), e.g. capuchin,capuchin+layout")
+                        f"policy+variant runs the policy with a variant's options (layout: planned_layout=True, "
+                        "nolayout: False), e.g. capuchin,capuchin+layout")
     p.add_argument("--link", default="p100", help="link regime: native or p100 (default p100)")
     p.add_argument("--rounds", type=int, default=6, help="rounds after each policy's first two steps (default 6)")
     p.add_argument("--json", required=True, help="where to write the result")

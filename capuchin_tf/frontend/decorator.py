@@ -33,7 +33,7 @@ def make_options(memory_budget=None, **fields) -> Options:
 def function(fn=None, *, memory_budget: int | float | str | None = None, policy: str = "capuchin",
              link: str | float = "native", policy_options: Mapping[str, Any] | None = None,
              plan_cache: str | os.PathLike | None = None, feedback: bool = True, max_replans: int = 20,
-             settle_steps: int = 10, background_builds: bool = True, planned_layout: bool = False,
+             settle_steps: int = 10, background_builds: bool = True, planned_layout: bool | str = "auto",
              strict: bool = False, max_signatures: int = MAX_SIGNATURES, input_signature=None, autograph: bool = True,
              reduce_retracing: bool = False, verbose: bool = False, keep_failures: str | os.PathLike | None = None):
     """Wraps a training step (a Python function or a `tf.function`) so that it trains under `memory_budget`.
@@ -49,8 +49,8 @@ def function(fn=None, *, memory_budget: int | float | str | None = None, policy:
     background_builds: plan changes (feedback, measured arbitration) are built in a background thread while the
         current plan keeps running; False: the step that asks for one waits for it.
     planned_layout: on the simulated device, guided steps place their allocations of more than 64 KiB where a layout
-        made from an earlier step of the same plan says (no free memory in pieces); off by default (not yet a measured
-        win).
+        made from an earlier step of the same plan says (no free memory in pieces); "auto" (the default): for a plan
+        once one of its guided steps evicted tensors on demand; True: always; False: never.
     strict: raise `CapuchinError` where capuchin_tf would otherwise refuse a step (one warning, then plain
         TensorFlow): a step that writes state it cannot copy back, whose plan cannot be applied, or whose measured or
         guided graph fails.

@@ -49,7 +49,7 @@ class CapuchinCallback(keras.callbacks.Callback):
     def __init__(self, memory_budget: int | float | str | None = None, policy: str = "capuchin",
                  link: str | float = "native", policy_options: Mapping[str, Any] | None = None,
                  plan_cache: str | os.PathLike | None = None, feedback: bool = True, max_replans: int = 20,
-                 settle_steps: int = 10, background_builds: bool = True, planned_layout: bool = False,
+                 settle_steps: int = 10, background_builds: bool = True, planned_layout: bool | str = "auto",
                  strict: bool = False,
                  max_signatures: int = MAX_SIGNATURES, verbose: bool = False,
                  keep_failures: str | os.PathLike | None = None):

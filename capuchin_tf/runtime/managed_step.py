@@ -271,6 +271,7 @@ class ManagedStep:
                 "plan_fallback": dict(plan.options).get("fallback") if plan else None,
                 "trials": dict(st.tried),
                 "placement_error_bytes": st.placement_error,  # learned from the bytes evicted on demand
+                "planned_layout": st.fn is not None and self._layout_wanted(st),  # the running plan's steps
                 "passive_only": st.passive_only,
                 "from_cache": st.from_cache,
                 "speedup": st.speedup,
@@ -858,7 +859,7 @@ class ManagedStep:
                         # tensors and prefetched tensors their swap-in has not claimed (both come back on demand).
                         ops.set_passive_mode(self.safety_net)
                         # The allocator's planned layout of this plan's function (Options.planned_layout).
-                        layout = self.options.planned_layout
+                        layout = self._layout_wanted(state)
                         if layout:
                             ops.layout_begin(id(state.fn))
                         ok = False
@@ -944,11 +945,13 @@ class ManagedStep:
                                 passive_evicted_bytes=after["passive_evicted_bytes"] - before["passive_evicted_bytes"],
                                 moved_bytes=after["device_moved_bytes"] - before["device_moved_bytes"],
                                 waited_s=dict(stalls.by_kind))
-            if state.fn is not None and self.options.planned_layout:
+            if state.fn is not None and layout:
                 layout_after = ops.layout_stats()
                 with_region = layout_after["region_steps"] > layout_before["region_steps"]
                 record.layout_bytes = layout_before["region_bytes"] if with_region else 0
                 record.layout_misses = layout_after["step_misses"]
+            if state.fn is not None:
+                self._note_layout(state, record)
             if profile:  # (an attempt that ran out of memory was retried unprofiled: `profile` is that attempt's)
                 state.retimed = True
                 record.retimed = self._retime(state, kernels, clock_offset, drained)
@@ -1104,6 +1107,26 @@ class ManagedStep:
             return False
         budget, plan = choice
         return self._install(state, plan, budget)
+
+    def _layout_wanted(self, state: SignatureState) -> bool:
+        """Whether this guided step runs under the allocator's planned layout (Options.planned_layout): always, never,
+        or ("auto") once a guided step of the running plan evicted tensors on demand. Where BFC's placement leaves a
+        plan's working set room, the layout changes nothing measurable; where it splits the free memory so that
+        allocations evict on demand, the layout removes those evictions (docs/decisions.md, "Planned layout")."""
+        if self.options.planned_layout == "auto":
+            return state.layout_fn is not None and state.layout_fn is state.fn
+        return bool(self.options.planned_layout)
+
+    def _note_layout(self, state: SignatureState, record: StepRecord) -> None:
+        """With Options.planned_layout "auto": a guided step of the running plan that evicted on demand puts the plan
+        under the planned layout (its next step is recorded, the ones after it placed)."""
+        if (self.options.planned_layout != "auto" or record.passive_evicted_bytes <= 0
+                or state.layout_fn is state.fn):
+            return
+        state.layout_fn = state.fn
+        if self.options.verbose:
+            print(f"capuchin_tf: the guided step evicted {format_bytes(record.passive_evicted_bytes)} on demand; the "
+                  "plan's next steps run under the planned layout", flush=True)
 
     def _back_to_good(self, state: SignatureState) -> None:
         """After an out-of-memory error that no tighter plan answers: back to the last plan that ran, if the feedback

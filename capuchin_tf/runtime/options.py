@@ -40,8 +40,9 @@ class Options:
         False: the step that asked waits for it. Plan changes after an out-of-memory error always wait.
     planned_layout: on the simulated device, a guided step's allocations of more than 64 KiB go where a layout made
         from an earlier step of the same plan says, in one region of the device (cc/kernels/step_layout.h), instead
-        of wherever BFC's best fit puts them. Off by default: not yet a measured win (docs/decisions.md, "Planned
-        layout").
+        of wherever BFC's best fit puts them. "auto" (the default): for a plan once one of its guided steps evicted
+        tensors on demand (its next step is recorded, the ones after it placed); True: every guided step; False:
+        never (docs/decisions.md, "Planned layout").
     max_retries: guided attempts of one call (each with a tighter plan) before it runs in passive mode.
     protect_steps: guided steps after a plan change that run with host snapshots of what the step writes; None: all.
     passive_rescue: a guided step that keeps running out of memory runs in passive mode; False raises CapuchinError.
@@ -63,7 +64,7 @@ class Options:
     max_replans: int = 20
     settle_steps: int = 10
     background_builds: bool = True
-    planned_layout: bool = False
+    planned_layout: bool | str = "auto"
     max_retries: int = 2
     protect_steps: int | None = None
     passive_rescue: bool = True
@@ -111,9 +112,11 @@ class Options:
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise TypeError(f"{name} must be a directory path (str or os.PathLike), got {value!r}")
-        for name in ("feedback", "background_builds", "planned_layout", "passive_rescue", "strict", "verbose"):
+        for name in ("feedback", "background_builds", "passive_rescue", "strict", "verbose"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.planned_layout, bool) and self.planned_layout != "auto":
+            raise TypeError(f"planned_layout must be True, False or 'auto', got {self.planned_layout!r}")
         for name, low in (("max_replans", 0), ("settle_steps", 0), ("max_retries", 0), ("max_signatures", 1),
                           ("protect_steps", 0)):
             value = getattr(self, name)

@@ -94,6 +94,9 @@ class SignatureState:
     # first guided step that completes its profiled attempt.
     retimed: bool = False
     build: Any = None  # a plan change under way off the critical path (managed_step.Build), or None
+    # The plan function whose guided steps run under the allocator's planned layout with Options.planned_layout
+    # "auto": the running one once one of its guided steps evicted tensors on demand (ManagedStep._layout_wanted).
+    layout_fn: Any = None
 
 
 def signature_key(concrete, args) -> str:
