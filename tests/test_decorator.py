@@ -942,3 +942,56 @@ def test_the_planned_layout_places_a_guided_steps_allocations_and_the_step_stays
     assert max(s["peak_bytes"] for s in steps) <= LAYOUT_BUDGET_MB * MiB
     assert result["in_use"] <= result["start"] + 2 * MiB  # the region was given back after the last step
     assert result["losses"] == plain["losses"] and result["digest"] == plain["digest"]
+
+
+TWO_LAYOUTS = """
+import json
+import tensorflow as tf
+import capuchin_tf
+from capuchin_tf.tf import ops
+
+@tf.function
+def f(x):
+    y = tf.exp(x)
+    z = tf.sqrt(y + 1.0)
+    w = tf.matmul(z, z, transpose_b=True)
+    return tf.reduce_sum(w) + tf.reduce_sum(y * 3.0)
+
+@tf.function
+def g(x):
+    y = tf.tanh(x)
+    z = tf.concat([y, y], axis=0)
+    return tf.reduce_sum(tf.matmul(z, z, transpose_a=True))
+
+x = tf.random.stateless_uniform([512, 512], seed=[1, 2])
+f(x), g(x)  # instantiated outside the layout
+out = {}
+def step(fn, fid, name):
+    ops.layout_begin(fid)
+    ok = False
+    try:
+        value = fn(x); ok = True
+    finally:
+        ops.layout_end(ok)
+    stats = ops.layout_stats()
+    out.setdefault(name, []).append({k: stats[k] for k in ("layouts", "region_steps", "placed", "planned")}
+                                    | {"value": float.hex(float(value))})
+for fn, fid, name in ((f, 1, "f"), (f, 1, "f"), (g, 2, "g"), (g, 2, "g"), (f, 1, "f"), (g, 2, "g")):
+    step(fn, fid, name)
+print(json.dumps(out))
+"""
+
+
+def test_two_functions_that_take_turns_keep_a_planned_layout_each(simulated_device):
+    """The allocator keeps the planned layout of a function while a step of another runs (two input signatures, two
+    managed steps): back to the first, its step is placed by its own layout at once, not recorded again."""
+    result = simulated_device(TWO_LAYOUTS, limit_mb=256, env={"TF_NUM_INTEROP_THREADS": "1"})
+    f, g = result["f"], result["g"]
+    assert f[0]["layouts"] == 1 and f[0]["region_steps"] == 0 and f[0]["planned"] > 0  # recorded, laid out
+    assert f[1]["region_steps"] == 1 and f[1]["placed"] == f[0]["planned"]  # placed
+    assert g[0]["layouts"] == 2 and g[1]["region_steps"] == 2  # g's own, recorded then placed
+    # f again: its layout was kept, so no new one is made and the step runs in its region, every allocation placed.
+    assert f[2]["layouts"] == 2 and f[2]["region_steps"] == 3
+    assert f[2]["placed"] == g[1]["placed"] + f[0]["planned"]
+    assert g[2]["layouts"] == 2 and g[2]["region_steps"] == 4
+    assert len({s["value"] for s in f}) == 1 and len({s["value"] for s in g}) == 1

@@ -22,6 +22,8 @@
 //     the device and gives to Attach. An allocation whose key has an offset goes there when nothing live in the region
 //     overlaps it; else into the smallest free gap of the region that holds it (a miss); else the wrapper's usual path.
 //   - The region is given back when the step has ended and nothing in it is live any more.
+//   - A step of another function sets the layout aside (up to kKeptLayouts of them) and takes that function's own:
+//     two functions that take turns (two input signatures, two managed steps) keep a layout each.
 //
 // Nothing is ever placed over a live allocation: a layout only chooses among free places. Every method is thread-safe.
 
@@ -134,6 +136,18 @@ class StepLayout {
   int64_t layout_id_ = -1;
   std::unordered_map<std::string, int64_t> offsets_;
   int64_t layout_bytes_ = 0;
+  int64_t planned_ = 0;  // keys laid out (offsets_.size())
+  // The layouts of other functions, set aside when a step of another function began (steps of two functions that
+  // take turns, two input signatures or two managed steps, each keep theirs), at most kKeptLayouts, oldest out.
+  struct KeptLayout {
+    int64_t id;
+    std::unordered_map<std::string, int64_t> offsets;
+    int64_t bytes;
+    int64_t planned;
+  };
+  static constexpr size_t kKeptLayouts = 8;
+  std::deque<KeptLayout> kept_;
+  void SwitchTo(int64_t id);
   // The step being recorded.
   int64_t step_id_ = -1;
   int64_t generation_ = 0;  // steps begun: a ticket of an earlier step is stale
