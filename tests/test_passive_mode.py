@@ -63,8 +63,10 @@ print(json.dumps({"phase": r.phase, "evictions": r.passive_evictions, "evicted":
 
 def test_a_passive_step_records_what_it_evicted_and_waited_for(simulated_device):
     # A passive step (the fallback when no plan fits) evicts most of what it saves; its record said 0 evicted and no
-    # waits, and the report with it, where 64-85 MiB a step were evicted on demand.
-    r = simulated_device(PASSIVE_RECORD, limit_mb=117)
+    # waits, and the report with it, where 64-85 MiB a step were evicted on demand. The device is twice the budget,
+    # which the allocator holds: on a device of exactly the budget the step can find its free memory split under
+    # load (seen once in CI at b1e57a5, a BudgetError naming split free memory), which is not what this test checks.
+    r = simulated_device(PASSIVE_RECORD, limit_mb=2 * 117)
     assert r["phase"] == "passive"
     assert r["evictions"] == r["store_evictions"] > 0, r
     assert r["evicted"] == r["store_evicted"] >= 16 * MiB, r
