@@ -320,7 +320,7 @@ def run(a: argparse.Namespace) -> int:
 
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
     try:
-        bad = [p for p in policies if policy_variant(p)[0] not in POLICIES or p.startswith("tf")]
+        bad = [p for p in policies if policy_variant(p)[0] not in POLICIES or policy_variant(p)[0] == "tf"]
     except ValueError as e:
         raise CliError(f"--policies: {e}") from None
     if not policies or bad:

@@ -53,22 +53,20 @@ int64_t StepLayout::Begin(int64_t id, bool record_only) {
 void StepLayout::SwitchTo(int64_t id) {
   if (layout_bytes_ > 0) {
     if (kept_.size() >= kKeptLayouts) kept_.pop_front();
-    kept_.push_back(KeptLayout{layout_id_, std::move(offsets_), layout_bytes_, planned_});
+    kept_.push_back(KeptLayout{layout_id_, std::move(offsets_), layout_bytes_});
   }
   offsets_.clear();
   layout_bytes_ = 0;
-  planned_ = 0;
   layout_id_ = id;
   for (auto it = kept_.begin(); it != kept_.end(); ++it) {
     if (it->id != id) continue;
     offsets_ = std::move(it->offsets);
     layout_bytes_ = it->bytes;
-    planned_ = it->planned;
     kept_.erase(it);
     break;
   }
   stats_.region_bytes = layout_bytes_;
-  stats_.planned = planned_;
+  stats_.planned = static_cast<int64_t>(offsets_.size());
 }
 
 int64_t StepLayout::SinceBegin() const { return SteadyNs() - begin_ns_; }
@@ -272,7 +270,6 @@ void* StepLayout::End(bool ok) {
     // A step that failed (out of memory) says nothing reliable of the lifetimes: the next step records afresh.
     offsets_.clear();
     layout_bytes_ = 0;
-    planned_ = 0;
     stats_.region_bytes = 0;
     stats_.planned = 0;
   } else if (!record_only_ && step_id_ == layout_id_ && (layout_bytes_ == 0 || stats_.step_misses > 0)) {
@@ -307,7 +304,6 @@ void StepLayout::Layout() {
   }
   offsets_.clear();
   layout_bytes_ = 0;
-  planned_ = 0;
   stats_.layouts++;
   if (items.empty() || items.size() > kMaxLaidOut) {
     stats_.planned = 0;
@@ -344,8 +340,7 @@ void StepLayout::Layout() {
     top = std::max(top, item.offset + r.bytes);
   }
   layout_bytes_ = top;
-  planned_ = static_cast<int64_t>(items.size());
-  stats_.planned = planned_;
+  stats_.planned = static_cast<int64_t>(items.size());
   stats_.region_bytes = top;
 }
 

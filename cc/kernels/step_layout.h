@@ -136,14 +136,12 @@ class StepLayout {
   int64_t layout_id_ = -1;
   std::unordered_map<std::string, int64_t> offsets_;
   int64_t layout_bytes_ = 0;
-  int64_t planned_ = 0;  // keys laid out (offsets_.size())
   // The layouts of other functions, set aside when a step of another function began (steps of two functions that
   // take turns, two input signatures or two managed steps, each keep theirs), at most kKeptLayouts, oldest out.
   struct KeptLayout {
     int64_t id;
     std::unordered_map<std::string, int64_t> offsets;
     int64_t bytes;
-    int64_t planned;
   };
   static constexpr size_t kKeptLayouts = 8;
   std::deque<KeptLayout> kept_;
