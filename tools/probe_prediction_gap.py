@@ -51,10 +51,10 @@ def main() -> int:
     calls = [0]
 
     @contextlib.contextmanager
-    def measured_step_only(self, plain: bool = False):  # the budget holds for the measured step only
+    def measured_step_only(self, plain: bool = False, lowered: int | None = None):  # the measured step's only
         calls[0] += 1
         if calls[0] == 1:
-            with enforce(self, plain=plain):
+            with enforce(self, plain=plain, lowered=lowered):
                 yield
         else:
             yield
