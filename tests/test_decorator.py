@@ -468,8 +468,8 @@ def test_tightening_after_a_failure_never_installs_a_plan_predicted_above_the_on
 
 
 def test_the_planned_layout_comes_on_for_a_plan_whose_guided_steps_evict_on_demand():
-    """Options.planned_layout "auto" (the default): a plan's steps run on BFC's placement until one of them evicts on
-    demand, then under the planned layout; a new plan starts without it; True and False are always and never."""
+    """Options.planned_layout "auto" (the default): a signature's plans run on BFC's placement until a guided step
+    evicts on demand, then under the planned layout, later plans too; True and False are always and never."""
     from types import SimpleNamespace
 
     from capuchin_tf.runtime.signature import SignatureState, StepRecord
@@ -483,12 +483,13 @@ def test_the_planned_layout_comes_on_for_a_plan_whose_guided_steps_evict_on_dema
     assert not step._layout_wanted(state)
     step._note_layout(state, StepRecord("guided", 1.0, 100 * MiB, passive_evicted_bytes=16 * MiB))
     assert step._layout_wanted(state) and state.layout_fn is first
-    state.fn = second  # a plan change: its own steps decide
-    assert not step._layout_wanted(state)
+    state.fn = second  # a plan change: under the layout from its first step (starting from the first plan's)
+    assert step._layout_wanted(state)
+    state.layout_fn = None
     for setting, wanted in ((True, True), (False, False)):
         fixed = capuchin_tf.function(lambda x: x, memory_budget=100 * MiB, planned_layout=setting)
         fixed._note_layout(state, StepRecord("guided", 1.0, 100 * MiB, passive_evicted_bytes=16 * MiB))
-        assert fixed._layout_wanted(state) is wanted and state.layout_fn is first
+        assert fixed._layout_wanted(state) is wanted and state.layout_fn is None
     with pytest.raises(TypeError, match="planned_layout must be True, False or 'auto'"):
         capuchin_tf.function(lambda x: x, memory_budget=100 * MiB, planned_layout="always")
 
@@ -995,3 +996,83 @@ def test_two_functions_that_take_turns_keep_a_planned_layout_each(simulated_devi
     assert f[2]["placed"] == g[1]["placed"] + f[0]["planned"]
     assert g[2]["layouts"] == 2 and g[2]["region_steps"] == 4
     assert len({s["value"] for s in f}) == 1 and len({s["value"] for s in g}) == 1
+
+
+PACKED_LAYOUT = """
+import json
+import tensorflow as tf
+import capuchin_tf
+from capuchin_tf.tf import ops
+
+@tf.function
+def f(x, w1, w3, w4):
+    t0 = tf.concat([x] * 6, axis=0)  # 768 KiB
+    t1 = tf.matmul(t0, w1)  # 768 KiB, while t0 lives
+    t2 = tf.matmul(w3, t1)  # 512 KiB, while t1 lives
+    t3 = tf.matmul(w4, t2)  # 768 KiB, while t2 lives
+    return tf.reduce_sum(t2) + tf.reduce_sum(t3)
+
+def u(*shape):
+    return tf.random.stateless_uniform(shape, seed=[1, len(shape)])
+
+args = (u(64, 512), u(512, 512), u(256, 384), u(384, 256))
+f(*args)  # instantiated outside the layout
+out = {"stats": [], "values": []}
+def step(fid, inherit=None):
+    if inherit is not None:
+        ops.layout_inherit(inherit)
+    ops.layout_begin(fid)
+    ok = False
+    try:
+        value = f(*args); ok = True
+    finally:
+        ops.layout_end(ok)
+    out["stats"].append(ops.layout_stats())
+    out["values"].append(float.hex(float(value)))
+step(1)
+record = ops.layout_record()
+out["record"] = [[int(b), int(a), int(e)] for b, a, e in zip(record["bytes"], record["allocated"], record["freed"])]
+step(1)
+step(2, inherit=1)  # a new function starting from function 1's layout
+step(2)
+print(json.dumps(out))
+"""
+
+
+def _largest_first(record):
+    """The region TensorFlow Lite's greedy by size (largest first, each at the smallest gap between those live at the
+    same time, else above them) packs `record` ([bytes, allocated, freed], in events) into."""
+    placed, top = [], 0
+    for nbytes, a, f in sorted(record, key=lambda r: (-r[0], r[1])):
+        prev, pick = 0, None
+        for offset, size in sorted((o, b) for o, b, pa, pf in placed if pa < f and a < pf):
+            if offset - prev >= nbytes and (pick is None or offset - prev < pick[1]):
+                pick = (prev, offset - prev)
+            prev = max(prev, offset + size)
+        offset = pick[0] if pick else prev
+        placed.append((offset, nbytes, a, f))
+        top = max(top, offset + nbytes)
+    return top
+
+
+def test_the_planned_layout_packs_a_step_into_the_most_it_holds_at_once_and_a_new_plan_starts_from_it(
+        simulated_device):
+    """The layout is the smallest of several greedy packings (cc/kernels/step_layout.cc, Layout): on a chain of four
+    buffers that largest-first packs into 2 MiB, the region is 1.5 MiB, the most the step holds at once. A new
+    function told to start from this one's layout (a plan replacing another) has its first step placed, not
+    recorded."""
+    result = simulated_device(PACKED_LAYOUT, limit_mb=256, env={"TF_NUM_INTEROP_THREADS": "1"})
+    stats, record = result["stats"], result["record"]
+    assert len(record) == 4, record
+    events = sorted([(a, b) for b, a, _ in record] + [(f, -b) for b, _, f in record])
+    live, most = 0, 0
+    for _, change in events:
+        live += change
+        most = max(most, live)
+    assert most == 1536 * 1024 and _largest_first(record) == 2048 * 1024, record  # largest-first packs it loosely
+    assert stats[0]["region_bytes"] == most and stats[0]["layouts"] == 1
+    assert stats[1]["region_steps"] == 1 and stats[1]["placed"] == 4 and stats[1]["step_misses"] == 0
+    # Function 2 begins with function 1's layout: placed in its first step, no new layout made.
+    assert stats[2]["region_steps"] == 2 and stats[2]["placed"] == 8 and stats[2]["layouts"] == 1
+    assert stats[2]["step_misses"] == 0 and stats[3]["placed"] == 12
+    assert len(set(result["values"])) == 1

@@ -861,6 +861,11 @@ class ManagedStep:
                         # The allocator's planned layout of this plan's function (Options.planned_layout).
                         layout = self._layout_wanted(state)
                         if layout:
+                            if state.layout_fn is not None and state.layout_fn is not state.fn:
+                                # A new plan of this signature: its first step is placed by the layout of the plan
+                                # it replaces (mostly the same allocations), not recorded on BFC's placement.
+                                ops.layout_inherit(id(state.layout_fn))
+                            state.layout_fn = state.fn
                             ops.layout_begin(id(state.fn))
                         ok = False
                         try:
@@ -1110,18 +1115,20 @@ class ManagedStep:
 
     def _layout_wanted(self, state: SignatureState) -> bool:
         """Whether this guided step runs under the allocator's planned layout (Options.planned_layout): always, never,
-        or ("auto") once a guided step of the running plan evicted tensors on demand. Where BFC's placement leaves a
-        plan's working set room, the layout changes nothing measurable; where it splits the free memory so that
-        allocations evict on demand, the layout removes those evictions (docs/decisions.md, "Planned layout")."""
+        or ("auto") once a guided step of this signature evicted tensors on demand (its later plans too, each starting
+        from the layout of the plan it replaces). Where BFC's placement leaves a plan's working set room, the layout
+        changes nothing measurable; where it splits the free memory so that allocations evict on demand, the layout
+        removes those evictions (docs/decisions.md, "Planned layout")."""
         if self.options.planned_layout == "auto":
-            return state.layout_fn is not None and state.layout_fn is state.fn
+            return state.layout_fn is not None
         return bool(self.options.planned_layout)
 
     def _note_layout(self, state: SignatureState, record: StepRecord) -> None:
-        """With Options.planned_layout "auto": a guided step of the running plan that evicted on demand puts the plan
-        under the planned layout (its next step is recorded, the ones after it placed)."""
+        """With Options.planned_layout "auto": a guided step that evicted on demand puts its signature's plans under the
+        planned layout (the plan's next step is recorded, the ones after it placed; a later plan's steps are placed
+        from its first, `_layout_wanted`)."""
         if (self.options.planned_layout != "auto" or record.passive_evicted_bytes <= 0
-                or state.layout_fn is state.fn):
+                or state.layout_fn is not None):
             return
         state.layout_fn = state.fn
         if self.options.verbose:

@@ -94,8 +94,9 @@ class SignatureState:
     # first guided step that completes its profiled attempt.
     retimed: bool = False
     build: Any = None  # a plan change under way off the critical path (managed_step.Build), or None
-    # The plan function whose guided steps run under the allocator's planned layout with Options.planned_layout
-    # "auto": the running one once one of its guided steps evicted tensors on demand (ManagedStep._layout_wanted).
+    # The plan function whose guided steps last ran under the allocator's planned layout (None: none has; with
+    # Options.planned_layout "auto", set when a guided step evicted tensors on demand: ManagedStep._layout_wanted).
+    # A later plan's first step starts from its layout.
     layout_fn: Any = None
 
 

@@ -149,6 +149,12 @@ def layout_begin(function_id: int, record_only: bool = False) -> None:
     _ops.capuchin_layout_step(tf.constant(3 if record_only else 0, tf.int64), tf.constant(int(function_id), tf.int64))
 
 
+def layout_inherit(function_id: int) -> None:
+    """The next function to begin a step under the planned layout that has no layout of its own starts from a copy of
+    function `function_id`'s (a plan that replaces another: its first step is placed, not recorded)."""
+    _ops.capuchin_layout_step(tf.constant(4, tf.int64), tf.constant(int(function_id), tf.int64))
+
+
 def layout_end(ok: bool = True) -> None:
     """Ends the step `layout_begin` began; `ok` False after a failure (the layout is then dropped)."""
     _ops.capuchin_layout_step(tf.constant(1 if ok else 2, tf.int64), tf.constant(0, tf.int64))

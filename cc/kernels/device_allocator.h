@@ -94,6 +94,7 @@ class CapuchinAllocator : public Allocator, private DeviceMover {
   // the step's beginning (within the budget) and given back when the step's allocations in it are gone.
   void BeginLayoutStep(int64_t id, bool record_only = false);
   void EndLayoutStep(bool ok);
+  void InheritLayout(int64_t from) { layout_.InheritNext(from); }
   StepLayout::Stats LayoutStats() { return layout_.stats(); }
   std::vector<StepLayout::RecordedAllocation> LayoutRecord() { return layout_.LastRecord(); }
 

@@ -115,13 +115,16 @@ class LayoutStepOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CheckScalarInput(ctx, 1, "id"));
     const int64_t phase = ctx->input(0).scalar<int64_t>()();
     const int64_t id = ctx->input(1).scalar<int64_t>()();
-    OP_REQUIRES(ctx, phase >= 0 && phase <= 3,
-                errors::InvalidArgument("Capuchin>LayoutStep: phase is 0 (begin), 1 (end), 2 (end after a failure) "
-                                        "or 3 (begin, recording only), got ",
+    OP_REQUIRES(ctx, phase >= 0 && phase <= 4,
+                errors::InvalidArgument("Capuchin>LayoutStep: phase is 0 (begin), 1 (end), 2 (end after a failure), "
+                                        "3 (begin, recording only) or 4 (the next new function starts from function "
+                                        "`id`'s layout), got ",
                                         phase));
     CapuchinAllocator* allocator = CapuchinAllocator::Installed();
     if (allocator == nullptr) return;
-    if (phase == 0 || phase == 3) {
+    if (phase == 4) {
+      allocator->InheritLayout(id);
+    } else if (phase == 0 || phase == 3) {
       allocator->BeginLayoutStep(id, /*record_only=*/phase == 3);
     } else {
       allocator->EndLayoutStep(phase == 1);

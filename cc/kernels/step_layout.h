@@ -16,14 +16,17 @@
 //     with its lifetime in allocation and free events.
 //   - After a step that ran without a layout for `id`, or whose allocations did not all go where the layout said
 //     (`misses`), End(ok=true) lays out the allocations the step freed before it ended (what lives on, an output or a
-//     new variable buffer, stays with the device allocator): largest first, each at the lowest offset of the smallest
-//     gap left by those already placed that are live at the same time (greedy by size, best fit).
+//     new variable buffer, stays with the device allocator): one at a time, each at the smallest gap (best fit) or
+//     the lowest (first fit) left by those already placed that are live at the same time, in up to five orders
+//     (largest first as TensorFlow Lite's greedy by size, longest-lived, broadest: most bytes live beside it, ...);
+//     the smallest packing is the layout (docs/decisions.md, "Planned layout: the smallest of several packings").
 //   - A later step of `id` asks Begin for a region of the layout's size, which the allocator wrapper allocates from
 //     the device and gives to Attach. An allocation whose key has an offset goes there when nothing live in the region
 //     overlaps it; else into the smallest free gap of the region that holds it (a miss); else the wrapper's usual path.
 //   - The region is given back when the step has ended and nothing in it is live any more.
 //   - A step of another function sets the layout aside (up to kKeptLayouts of them) and takes that function's own:
-//     two functions that take turns (two input signatures, two managed steps) keep a layout each.
+//     two functions that take turns (two input signatures, two managed steps) keep a layout each. A function with no
+//     layout yet may start from a copy of another's (InheritNext: the plan it replaces).
 //
 // Nothing is ever placed over a live allocation: a layout only chooses among free places. Every method is thread-safe.
 
@@ -76,6 +79,10 @@ class StepLayout {
   // region the step's layout needs, 0 when there is none or the region of an earlier step, still in use, holds it.
   // `record_only`: the step's allocations are recorded and none is placed (no region; the layout stays as it is).
   int64_t Begin(int64_t id, bool record_only = false);
+  // The next Begin of a function that has no layout of its own starts from a copy of function `from`'s (a plan that
+  // replaces another: mostly the same allocations, so its first step is placed rather than recorded on the device
+  // allocator's placement; its misses make its own layout at its end).
+  void InheritNext(int64_t from);
   // The region Begin asked for (nullptr: the device had no room; the step then runs on the device allocator alone).
   void Attach(void* region, int64_t bytes);
   // An allocation of `bytes` by `op`: its place in the region, or nullptr. `*ticket` >= 0 when the allocation is
@@ -126,6 +133,10 @@ class StepLayout {
   int64_t BestGap(int64_t bytes) const;          // -1 if none
   void* Take(int64_t offset, int64_t bytes, int64_t requested, int64_t index);
   void Layout();
+  // One greedy packing of `items` in `order` into `*offsets` (indexed as `items`; `beside[i]`: the items live at the
+  // same time as item i); returns its size.
+  static int64_t Pack(const std::vector<const Record*>& items, const std::vector<std::vector<size_t>>& beside,
+                      const std::vector<size_t>& order, bool best_fit, std::vector<int64_t>* offsets);
   void* MaybeRelease();
 
   const int64_t min_bytes_;
@@ -146,6 +157,7 @@ class StepLayout {
   static constexpr size_t kKeptLayouts = 8;
   std::deque<KeptLayout> kept_;
   void SwitchTo(int64_t id);
+  int64_t inherit_from_ = -1;  // InheritNext
   // The step being recorded.
   int64_t step_id_ = -1;
   int64_t generation_ = 0;  // steps begun: a ticket of an earlier step is stale

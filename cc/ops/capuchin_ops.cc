@@ -283,9 +283,10 @@ recorded and, once a step of the same function was recorded, placed in one regio
 says (the region is allocated now, within the memory budget). Phase 1 ends the step (laying out its allocations when
 it ran without a layout or not as laid out), phase 2 ends a step that failed (the layout is dropped), phase 3 begins
 a step whose allocations are recorded only (nothing is placed; Capuchin>LayoutRecord reads them after its end). A
-step of another function drops the layout.
+step of another function sets the layout aside (a few are kept) and takes that function's own. Phase 4: the next
+function to begin that has no layout of its own starts from a copy of function `id`'s (a plan replacing another).
 
-phase: a scalar, 0 to 3.
+phase: a scalar, 0 to 4.
 id: a scalar naming the function the step runs.
 )doc");
 
