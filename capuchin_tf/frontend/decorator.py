@@ -49,8 +49,8 @@ def function(fn=None, *, memory_budget: int | float | str | None = None, policy:
     background_builds: plan changes (feedback, measured arbitration) are built in a background thread while the
         current plan keeps running; False: the step that asks for one waits for it.
     planned_layout: on the simulated device, guided steps place their allocations of more than 64 KiB where a layout
-        made from an earlier step of the same plan says (no free memory in pieces); "auto" (the default): for a plan
-        once one of its guided steps evicted tensors on demand; True: always; False: never.
+        made from an earlier step of the same plan says (no free memory in pieces); "auto" (the default): once a guided
+        step of the input signature evicted tensors on demand, its plans from then on; True: always; False: never.
     strict: raise `CapuchinError` where capuchin_tf would otherwise refuse a step (one warning, then plain
         TensorFlow): a step that writes state it cannot copy back, whose plan cannot be applied, or whose measured or
         guided graph fails.

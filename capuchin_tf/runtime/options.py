@@ -40,8 +40,9 @@ class Options:
         False: the step that asked waits for it. Plan changes after an out-of-memory error always wait.
     planned_layout: on the simulated device, a guided step's allocations of more than 64 KiB go where a layout made
         from an earlier step of the same plan says, in one region of the device (cc/kernels/step_layout.h), instead
-        of wherever BFC's best fit puts them. "auto" (the default): for a plan once one of its guided steps evicted
-        tensors on demand (its next step is recorded, the ones after it placed); True: every guided step; False:
+        of wherever BFC's best fit puts them. "auto" (the default): once a guided step of the input signature evicted
+        tensors on demand (the plan's next step is recorded, the ones after it placed; a later plan's steps are placed
+        from its first, by the layout of the plan it replaces until its own is made); True: every guided step; False:
         never (docs/decisions.md, "Planned layout").
     max_retries: guided attempts of one call (each with a tighter plan) before it runs in passive mode.
     protect_steps: guided steps after a plan change that run with host snapshots of what the step writes; None: all.
