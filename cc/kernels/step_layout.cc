@@ -35,6 +35,7 @@ int64_t StepLayout::Begin(int64_t id, bool record_only) {
   stats_.step_misses = 0;
   generation_++;
   if (id != layout_id_) SwitchTo(id);
+  inherit_from_ = -1;  // (InheritNext is for the next function that begins, only)
   step_id_ = id;
   clock_ = 0;
   begin_ns_ = SteadyNs();
