@@ -288,6 +288,9 @@ def test_policies_in_turn_in_one_process_bit_for_bit(tmp_path):
     for r in rows.values():  # a prediction, where the running plan ran two steps of its own, in seconds of its trace
         run = raw["run"]["per_policy"][r["policy"]]
         assert run["prediction"] is not None and run["plan_steps"] <= 2
+        # each step's planned-layout region and misses, beside its time (the first, measured step has none)
+        assert len(run["layout_bytes"]) == len(run["layout_misses"]) == len(run["step_s"]) == 4
+        assert run["layout_bytes"][0] == run["layout_misses"][0] == 0
         if "predicted_trace_clock_s" in r:
             assert r["predicted_trace_clock_s"] == pytest.approx(r["trace_step_s"] * r["predicted_step_ratio"])
             assert r["plan_median_step_s"] == run["plan_median_step_s"] > 0

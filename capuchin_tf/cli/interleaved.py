@@ -30,7 +30,8 @@ others' first call is a guided step) and go on with their own feedback.
 Per policy: the median of its steps from its first guided step on (its measured step left out, as the suite's
 "median of steps 2-8"), against capuchin's; paired by round (each policy ran once in each), the median of its step
 over capuchin's and in how many rounds capuchin's was the faster; its re-plans, the bytes its steps evicted on demand
-and its plan.
+and its plan. The worker's JSON (`run.per_policy`) keeps each step's time, evictions on demand, late prefetches and
+planned-layout region and misses.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def _run_worker(a: argparse.Namespace) -> int:
         record.append({"policy": policy, "round": round_, "seconds": seconds, "build_wait_s": built,
                        "loss_hex": float.hex(float(loss)),
                        "phase": step["phase"], "late_prefetches": step["late_prefetches"],
+                       # the planned layout's region (0: the step ran without one) and its misses
+                       "layout_bytes": step.get("layout_bytes", 0), "layout_misses": step.get("layout_misses", 0),
                        "evicted_on_demand_bytes": step.get("passive_evicted_bytes", 0) if step["phase"] == "guided"
                        else 0, "peak_bytes": tf.config.experimental.get_memory_info(DEVICE)["peak"]})
         print(f"  {policy} ({step['phase']}): {seconds:.3f} s", flush=True)
@@ -153,6 +156,7 @@ def _run_worker(a: argparse.Namespace) -> int:
             "build_wait_s": [s["build_wait_s"] for s in mine],
             "evicted_on_demand_bytes": [s["evicted_on_demand_bytes"] for s in mine],
             "late_prefetches": [s["late_prefetches"] for s in mine],
+            "layout_bytes": [s["layout_bytes"] for s in mine], "layout_misses": [s["layout_misses"] for s in mine],
             "peak_bytes": max((s["peak_bytes"] for s in mine[1:]), default=None),
             "plan_median_step_s": statistics.median(own) if own else None, "plan_steps": len(own),
             "prediction": report.get("prediction") if report else None,
