@@ -4,6 +4,7 @@ that plain TensorFlow cannot fit, with plain TensorFlow's numbers bit for bit (e
 
 import functools
 import hashlib
+import pathlib
 import statistics
 
 import numpy as np
@@ -1039,20 +1040,20 @@ print(json.dumps(out))
 """
 
 
-def _largest_first(record):
-    """The region TensorFlow Lite's greedy by size (largest first, each at the smallest gap between those live at the
-    same time, else above them) packs `record` ([bytes, allocated, freed], in events) into."""
-    placed, top = [], 0
-    for nbytes, a, f in sorted(record, key=lambda r: (-r[0], r[1])):
-        prev, pick = 0, None
-        for offset, size in sorted((o, b) for o, b, pa, pf in placed if pa < f and a < pf):
-            if offset - prev >= nbytes and (pick is None or offset - prev < pick[1]):
-                pick = (prev, offset - prev)
-            prev = max(prev, offset + size)
-        offset = pick[0] if pick else prev
-        placed.append((offset, nbytes, a, f))
-        top = max(top, offset + nbytes)
-    return top
+def _packing_reference():
+    """tools/probe_layout_packing.py: the most a record holds at once, and what one greedy order packs it into."""
+    import importlib.util
+    import sys
+
+    tools = pathlib.Path(__file__).resolve().parent.parent / "tools"
+    sys.path.insert(0, str(tools))  # (the probe imports probe_common beside it)
+    try:
+        spec = importlib.util.spec_from_file_location("probe_layout_packing", tools / "probe_layout_packing.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(tools))
+    return module
 
 
 def test_the_planned_layout_packs_a_step_into_the_most_it_holds_at_once_and_a_new_plan_starts_from_it(
@@ -1064,12 +1065,10 @@ def test_the_planned_layout_packs_a_step_into_the_most_it_holds_at_once_and_a_ne
     result = simulated_device(PACKED_LAYOUT, limit_mb=256, env={"TF_NUM_INTEROP_THREADS": "1"})
     stats, record = result["stats"], result["record"]
     assert len(record) == 4, record
-    events = sorted([(a, b) for b, a, _ in record] + [(f, -b) for b, _, f in record])
-    live, most = 0, 0
-    for _, change in events:
-        live += change
-        most = max(most, live)
-    assert most == 1536 * 1024 and _largest_first(record) == 2048 * 1024, record  # largest-first packs it loosely
+    reference = _packing_reference()
+    most = reference.live_peak(record)
+    largest_first = reference.greedy(record, lambda r: (-r[0], r[1]))
+    assert most == 1536 * 1024 and largest_first == 2048 * 1024, record  # largest-first packs it loosely
     assert stats[0]["region_bytes"] == most and stats[0]["layouts"] == 1
     assert stats[1]["region_steps"] == 1 and stats[1]["placed"] == 4 and stats[1]["step_misses"] == 0
     # Function 2 begins with function 1's layout: placed in its first step, no new layout made.
