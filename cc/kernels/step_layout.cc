@@ -16,8 +16,11 @@ namespace {
 constexpr int64_t kGranule = 256;  // BFC's rounding, and the region's alignment of every offset
 // A step with more recorded allocations than this is not laid out (the packing is quadratic in them).
 constexpr size_t kMaxLaidOut = 50000;
-// A step with more than this is packed in one order only (StepLayout::Layout packs up to ten ways).
+// A step with more than this, or whose allocations live beside each other in more than kMaxPairs pairs, is packed in
+// one order only, each allocation checked against every one placed before (StepLayout::Layout packs up to ten ways,
+// each allocation checked against its own neighbours, kept as lists: 16 bytes a pair).
 constexpr size_t kMaxSearched = 20000;
+constexpr size_t kMaxPairs = size_t{4} << 20;
 
 int64_t Rounded(int64_t bytes) { return (bytes + kGranule - 1) / kGranule * kGranule; }
 
@@ -326,8 +329,7 @@ void StepLayout::Layout() {
     return;
   }
   const size_t n = items.size();
-  // Each allocation's breadth: the most bytes the laid-out allocations hold at once during its lifetime (events are
-  // numbered 0 .. clock_ - 1). The region can be no smaller than the largest of them.
+  // The most the laid-out allocations hold at once (events are numbered 0 .. clock_ - 1): no packing is smaller.
   std::vector<int64_t> level(static_cast<size_t>(clock_) + 1, 0);
   for (const Record* r : items) {
     level[r->alloc_t] += r->bytes;
@@ -338,27 +340,37 @@ void StepLayout::Layout() {
     if (t > 0) level[t] += level[t - 1];
     live_peak = std::max(live_peak, level[t]);
   }
-  // (the most over [alloc_t, free_t) from a sparse table of the level's maxima over runs of 2^k events)
-  std::vector<std::vector<int64_t>> most{level};
-  for (size_t k = 1; (size_t{1} << k) <= level.size(); k++) {
-    const std::vector<int64_t>& half = most.back();
-    std::vector<int64_t> row(level.size() - (size_t{1} << k) + 1);
-    for (size_t t = 0; t < row.size(); t++) row[t] = std::max(half[t], half[t + (size_t{1} << (k - 1))]);
-    most.push_back(std::move(row));
-  }
-  std::vector<int64_t> breadth(n, 0);
-  for (size_t i = 0; i < n; i++) {
-    const size_t a = static_cast<size_t>(items[i]->alloc_t), b = static_cast<size_t>(items[i]->free_t);
-    if (b <= a) continue;
-    size_t k = 0;
-    while ((size_t{2} << k) <= b - a) k++;
-    breadth[i] = std::max(most[k][a], most[k][b - (size_t{1} << k)]);
+  // Which allocations are live at the same time as which (a sweep in allocation order), so that each packing looks
+  // at an allocation's own neighbours only; counted first, kept when there are not too many pairs.
+  std::vector<size_t> by_alloc(n);
+  for (size_t i = 0; i < n; i++) by_alloc[i] = i;
+  std::sort(by_alloc.begin(), by_alloc.end(),
+            [&](size_t a, size_t b) { return items[a]->alloc_t < items[b]->alloc_t; });
+  auto sweep = [&](auto pair) {
+    std::vector<size_t> live;
+    for (const size_t i : by_alloc) {
+      live.erase(
+          std::remove_if(live.begin(), live.end(), [&](size_t j) { return items[j]->free_t <= items[i]->alloc_t; }),
+          live.end());
+      for (const size_t j : live) pair(i, j);
+      live.push_back(i);
+    }
+  };
+  size_t pairs = 0;
+  sweep([&](size_t, size_t) { pairs++; });
+  const bool search = n <= kMaxSearched && pairs <= kMaxPairs;
+  std::vector<std::vector<size_t>> beside(search ? n : 0);
+  if (search) {
+    sweep([&](size_t i, size_t j) {
+      beside[i].push_back(j);
+      beside[j].push_back(i);
+    });
   }
   // Orders the greedy packs in (the first is the layout's until one of the others packs smaller): greedy by size
-  // (TensorFlow Lite's), by lifetime, by breadth, by breadth then lifetime, by area (size x lifetime). On the steps
-  // measured (docs/decisions.md, "Planned layout: the smallest of several packings") no one order was the smallest
-  // on every step: by size packed the cnn's step into 128 MiB where its allocations hold 107 MiB at once, by
-  // lifetime into 107.
+  // (TensorFlow Lite's), by lifetime, by breadth (the most bytes live at once during the allocation's lifetime), by
+  // breadth then lifetime, by area (size x lifetime). On the steps measured (docs/decisions.md, "Planned layout: the
+  // smallest of several packings") no one order was the smallest on every step: by size packed the cnn's step into
+  // 128 MiB where its allocations hold 107 MiB at once, by lifetime into 107.
   auto life = [&](size_t i) { return items[i]->free_t - items[i]->alloc_t; };
   auto bytes = [&](size_t i) { return items[i]->bytes; };
   auto by = [&](auto key) {
@@ -370,37 +382,33 @@ void StepLayout::Layout() {
   using Key = std::tuple<int64_t, int64_t, int64_t>;
   std::vector<std::vector<size_t>> orders;
   orders.push_back(by([&](size_t i) { return Key{bytes(i), -items[i]->alloc_t, 0}; }));
-  if (n <= kMaxSearched) {
+  if (search) {
+    // (the breadth: the level's most over [alloc_t, free_t), from a sparse table of its maxima over runs of 2^k)
+    std::vector<std::vector<int64_t>> most{level};
+    for (size_t k = 1; (size_t{1} << k) <= level.size(); k++) {
+      const std::vector<int64_t>& half = most.back();
+      std::vector<int64_t> row(level.size() - (size_t{1} << k) + 1);
+      for (size_t t = 0; t < row.size(); t++) row[t] = std::max(half[t], half[t + (size_t{1} << (k - 1))]);
+      most.push_back(std::move(row));
+    }
+    std::vector<int64_t> breadth(n, 0);
+    for (size_t i = 0; i < n; i++) {
+      const size_t a = static_cast<size_t>(items[i]->alloc_t), b = static_cast<size_t>(items[i]->free_t);
+      if (b <= a) continue;
+      size_t k = 0;
+      while ((size_t{2} << k) <= b - a) k++;
+      breadth[i] = std::max(most[k][a], most[k][b - (size_t{1} << k)]);
+    }
     orders.push_back(by([&](size_t i) { return Key{life(i), bytes(i), -items[i]->alloc_t}; }));
     orders.push_back(by([&](size_t i) { return Key{breadth[i], bytes(i), -items[i]->alloc_t}; }));
     orders.push_back(by([&](size_t i) { return Key{breadth[i], life(i), bytes(i)}; }));
     orders.push_back(by([&](size_t i) { return Key{bytes(i) * life(i), -items[i]->alloc_t, 0}; }));
   }
-  // Which allocations are live at the same time as which (a sweep in allocation order), so that each packing looks
-  // at an allocation's own neighbours only.
-  std::vector<std::vector<size_t>> beside(n);
-  {
-    std::vector<size_t> by_alloc(n);
-    for (size_t i = 0; i < n; i++) by_alloc[i] = i;
-    std::sort(by_alloc.begin(), by_alloc.end(),
-              [&](size_t a, size_t b) { return items[a]->alloc_t < items[b]->alloc_t; });
-    std::vector<size_t> live;
-    for (const size_t i : by_alloc) {
-      live.erase(
-          std::remove_if(live.begin(), live.end(), [&](size_t j) { return items[j]->free_t <= items[i]->alloc_t; }),
-          live.end());
-      for (const size_t j : live) {
-        beside[i].push_back(j);
-        beside[j].push_back(i);
-      }
-      live.push_back(i);
-    }
-  }
   std::vector<int64_t> offsets(n), best;
   int64_t top = std::numeric_limits<int64_t>::max();
   for (const auto& order : orders) {
     for (const bool best_fit : {true, false}) {
-      const int64_t packed = Pack(items, beside, order, best_fit, &offsets);
+      const int64_t packed = Pack(items, search ? &beside : nullptr, order, best_fit, &offsets);
       if (packed < top) {
         top = packed;
         best = offsets;
@@ -415,16 +423,26 @@ void StepLayout::Layout() {
   stats_.region_bytes = top;
 }
 
-int64_t StepLayout::Pack(const std::vector<const Record*>& items, const std::vector<std::vector<size_t>>& beside,
+int64_t StepLayout::Pack(const std::vector<const Record*>& items, const std::vector<std::vector<size_t>>* beside,
                          const std::vector<size_t>& order, bool best_fit, std::vector<int64_t>* offsets) {
   std::vector<bool> placed(items.size(), false);
+  std::vector<size_t> done;  // without `beside`: every allocation placed so far is checked
   std::vector<std::pair<int64_t, int64_t>> overlapping;
   int64_t top = 0;
   for (const size_t i : order) {
     const Record& r = *items[i];
     overlapping.clear();
-    for (const size_t j : beside[i]) {
-      if (placed[j]) overlapping.push_back({(*offsets)[j], items[j]->bytes});
+    if (beside != nullptr) {
+      for (const size_t j : (*beside)[i]) {
+        if (placed[j]) overlapping.push_back({(*offsets)[j], items[j]->bytes});
+      }
+    } else {
+      for (const size_t j : done) {
+        if (items[j]->alloc_t < r.free_t && r.alloc_t < items[j]->free_t) {
+          overlapping.push_back({(*offsets)[j], items[j]->bytes});
+        }
+      }
+      done.push_back(i);
     }
     std::sort(overlapping.begin(), overlapping.end());
     // The smallest gap between the allocations live at the same time that holds it (best fit), or the lowest (first

@@ -133,9 +133,9 @@ class StepLayout {
   int64_t BestGap(int64_t bytes) const;          // -1 if none
   void* Take(int64_t offset, int64_t bytes, int64_t requested, int64_t index);
   void Layout();
-  // One greedy packing of `items` in `order` into `*offsets` (indexed as `items`; `beside[i]`: the items live at the
-  // same time as item i); returns its size.
-  static int64_t Pack(const std::vector<const Record*>& items, const std::vector<std::vector<size_t>>& beside,
+  // One greedy packing of `items` in `order` into `*offsets` (indexed as `items`; `(*beside)[i]`: the items live at
+  // the same time as item i; null: each is checked against every one placed before it); returns its size.
+  static int64_t Pack(const std::vector<const Record*>& items, const std::vector<std::vector<size_t>>* beside,
                       const std::vector<size_t>& order, bool best_fit, std::vector<int64_t>* offsets);
   void* MaybeRelease();
 
