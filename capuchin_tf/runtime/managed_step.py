@@ -953,7 +953,7 @@ class ManagedStep:
             if state.fn is not None and layout:
                 layout_after = ops.layout_stats()
                 with_region = layout_after["region_steps"] > layout_before["region_steps"]
-                record.layout_bytes = layout_before["region_bytes"] if with_region else 0
+                record.layout_bytes = layout_after["attached_bytes"] if with_region else 0
                 record.layout_misses = layout_after["step_misses"]
             if state.fn is not None:
                 self._note_layout(state, record)

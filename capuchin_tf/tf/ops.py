@@ -162,8 +162,9 @@ def layout_end(ok: bool = True) -> None:
 
 def layout_stats() -> dict[str, int]:
     """The planned layout's counters: steps, steps with a region, layouts made, allocations placed as laid out,
-    misses (elsewhere in the region), fallbacks (not in the region), the region's bytes, allocations laid out, the last
-    step's misses and fallbacks."""
+    misses (elsewhere in the region), fallbacks (not in the region), the region's bytes (the layout's size), allocations
+    laid out, the last step's misses and fallbacks, and the region the last step ran with (`attached_bytes`, 0:
+    none)."""
     return dict(zip(LAYOUT_STAT_FIELDS, _ops.capuchin_layout_stats().numpy().tolist()))
 
 

@@ -36,6 +36,8 @@ int64_t StepLayout::Begin(int64_t id, bool record_only) {
   record_only_ = record_only;
   stats_.steps++;
   stats_.step_misses = 0;
+  stats_.attached_bytes = 0;
+  step_evictions_ = 0;
   generation_++;
   if (id != layout_id_) SwitchTo(id);
   inherit_from_ = -1;  // (InheritNext is for the next function that begins, only)
@@ -51,7 +53,10 @@ int64_t StepLayout::Begin(int64_t id, bool record_only) {
   if (layout_bytes_ <= 0 || record_only) return 0;
   if (region_ != nullptr) {
     // An earlier step's region, something in it still live: this step uses it if it is large enough.
-    if (region_bytes_ >= layout_bytes_) stats_.region_steps++;
+    if (region_bytes_ >= layout_bytes_) {
+      stats_.region_steps++;
+      stats_.attached_bytes = region_bytes_;
+    }
     return 0;
   }
   return layout_bytes_;
@@ -103,6 +108,7 @@ void StepLayout::Attach(void* region, int64_t bytes) {
   region_end_.store(begin + static_cast<uintptr_t>(bytes), std::memory_order_release);
   region_begin_.store(begin, std::memory_order_release);
   stats_.region_steps++;
+  stats_.attached_bytes = bytes;
 }
 
 std::string StepLayout::KeyOf(std::string_view op, int64_t bytes) {
@@ -148,7 +154,10 @@ void* StepLayout::Take(int64_t offset, int64_t bytes, int64_t requested, int64_t
   void* p = PlaceAt(offset, bytes);
   if (p == nullptr) return nullptr;
   live_[offset] = {bytes, requested};
-  if (index >= 0) recorded_ptr_[reinterpret_cast<uintptr_t>(p)] = index;
+  if (index >= 0) {
+    recorded_ptr_[reinterpret_cast<uintptr_t>(p)] = index;
+    records_[index].in_region = true;
+  }
   return p;
 }
 
@@ -249,6 +258,7 @@ bool StepLayout::Free(void* ptr, void** release, bool evicted) {
   if (r != recorded_ptr_.end()) {
     Record& rec = records_[r->second];
     if (evicted) {
+      step_evictions_++;
       rec.evict_t = clock_++;
       evicted_[rec.bytes].push_back(r->second);
     } else {
@@ -294,13 +304,21 @@ void* StepLayout::End(bool ok) {
     layout_bytes_ = 0;
     stats_.region_bytes = 0;
     stats_.planned = 0;
-  } else if (!record_only_ && step_id_ == layout_id_ && (layout_bytes_ == 0 || stats_.step_misses > 0)) {
+  } else if (!record_only_ && step_id_ == layout_id_ && (layout_bytes_ == 0 || LayoutWanting())) {
     Layout();
   }
   recorded_ptr_.clear();
   last_records_ = std::move(records_);
   records_.clear();
   return MaybeRelease();
+}
+
+bool StepLayout::LayoutWanting() const {
+  if (step_evictions_ > 0) return true;
+  for (const Record& r : records_) {
+    if (r.free_t >= 0 && !r.in_region) return true;  // laid out next time, and went to the device allocator
+  }
+  return false;
 }
 
 std::vector<StepLayout::RecordedAllocation> StepLayout::LastRecord() {

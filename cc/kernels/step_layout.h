@@ -14,12 +14,15 @@
 //   - Begin(id) starts a step of function `id`; every allocation of more than `min_bytes` until End() is recorded
 //     under a key (the op that asks, its size, and how many allocations of that op and size came before in the step)
 //     with its lifetime in allocation and free events.
-//   - After a step that ran without a layout for `id`, or whose allocations did not all go where the layout said
-//     (`misses`), End(ok=true) lays out the allocations the step freed before it ended (what lives on, an output or a
-//     new variable buffer, stays with the device allocator): one at a time, each at the smallest gap (best fit) or
-//     the lowest (first fit) left by those already placed that are live at the same time, in up to five orders
-//     (largest first as TensorFlow Lite's greedy by size, longest-lived, broadest: most bytes live beside it, ...);
-//     the smallest packing is the layout (docs/decisions.md, "Planned layout: the smallest of several packings").
+//   - After a step that ran without a layout for `id`, or where the layout fell short (an allocation it lays out went
+//     to the device allocator, or passive mode evicted: LayoutWanting), End(ok=true) lays out the allocations the step
+//     freed before it ended (what lives on, an output or a new variable buffer, stays with the device allocator): one
+//     at a time, each at the smallest gap (best fit) or the lowest (first fit) left by those already placed that are
+//     live at the same time, in up to five orders (largest first as TensorFlow Lite's greedy by size, longest-lived,
+//     broadest: most bytes live beside it, ...); the smallest packing is the layout (docs/decisions.md, "Planned
+//     layout: the smallest of several packings"). A step whose allocations all stayed in the region keeps the layout,
+//     misses included: a miss found another gap, and a layout made from that step's lifetimes can be larger than the
+//     device can give (docs/decisions.md, "Planned layout: a layout that holds stays").
 //   - A later step of `id` asks Begin for a region of the layout's size, which the allocator wrapper allocates from
 //     the device and gives to Attach. An allocation whose key has an offset goes there when nothing live in the region
 //     overlaps it; else into the smallest free gap of the region that holds it (a miss); else the wrapper's usual path.
@@ -55,15 +58,16 @@ class StepLayout {
 
   // Counters since the process started (LayoutStats reads them; the order is that op's output order).
   struct Stats {
-    int64_t steps = 0;         // steps begun
-    int64_t region_steps = 0;  // steps that ran with a region
-    int64_t layouts = 0;       // layouts worked out
-    int64_t placed = 0;        // allocations placed where the layout said
-    int64_t misses = 0;        // allocations with an offset that went into another gap of the region
-    int64_t fallbacks = 0;     // recorded allocations the region did not take (the device allocator's usual path)
-    int64_t region_bytes = 0;  // the current layout's region size (0: none)
-    int64_t planned = 0;       // allocations the current layout places
-    int64_t step_misses = 0;   // misses + fallbacks of allocations with an offset, in the last step
+    int64_t steps = 0;           // steps begun
+    int64_t region_steps = 0;    // steps that ran with a region
+    int64_t layouts = 0;         // layouts worked out
+    int64_t placed = 0;          // allocations placed where the layout said
+    int64_t misses = 0;          // allocations with an offset that went into another gap of the region
+    int64_t fallbacks = 0;       // recorded allocations the region did not take (the device allocator's usual path)
+    int64_t region_bytes = 0;    // the current layout's region size (0: none)
+    int64_t planned = 0;         // allocations the current layout places
+    int64_t step_misses = 0;     // misses + fallbacks of allocations with an offset, in the last step
+    int64_t attached_bytes = 0;  // the region the last step ran with (0: none)
   };
 
   int64_t min_bytes() const { return min_bytes_; }
@@ -125,6 +129,7 @@ class StepLayout {
     int64_t free_t = -1;                 // -1: live at the step's end; kFailed: the allocation failed
     int64_t evict_t = -1;                // when passive mode evicted it (-1: never)
     int64_t alloc_ns = 0, free_ns = -1;  // since the step began (steady clock)
+    bool in_region = false;              // placed in the region (where the layout said or in another gap)
   };
   static constexpr int64_t kFailed = -2;
   // mu_ held.
@@ -171,6 +176,10 @@ class StepLayout {
   std::unordered_map<uintptr_t, int64_t> recorded_ptr_;       // live recorded allocation -> its record
   std::vector<bool> ticket_planned_;                          // per record: the layout had an offset for it
   std::unordered_map<int64_t, std::deque<int64_t>> evicted_;  // bytes -> evicted records not brought back yet
+  int64_t step_evictions_ = 0;                                // tensors passive mode evicted in this step
+  // The step showed the layout wanting: an allocation it lays out went to the device allocator, or passive mode
+  // evicted (mu_ held, at End).
+  bool LayoutWanting() const;
   // The region: its live allocations, offset -> (bytes, requested bytes).
   void* region_ = nullptr;
   int64_t region_bytes_ = 0;
