@@ -304,9 +304,19 @@ void CapuchinAllocator::BeginLayoutStep(int64_t id, bool record_only) {
   // runs as without a layout, and is recorded).
   AllocationAttributes no_retry(false, true, nullptr);
   const int64_t budget = enforced_budget_.load(std::memory_order_relaxed);
-  auto allocate = [&] { return base_->AllocateRaw(Allocator::kAllocatorAlignment, want, no_retry); };
-  int64_t excess = 0;
-  layout_.Attach(budget > 0 ? Admit(budget, MaxBytesAdded(want), &excess, allocate) : allocate(), want);
+  auto region_of = [&](int64_t bytes) -> void* {
+    auto allocate = [&] { return base_->AllocateRaw(Allocator::kAllocatorAlignment, bytes, no_retry); };
+    int64_t excess = 0;
+    return budget > 0 ? Admit(budget, MaxBytesAdded(bytes), &excess, allocate) : allocate();
+  };
+  int64_t bytes = want;
+  void* region = region_of(bytes);
+  if (region == nullptr) {
+    // No room for it: the function's last layout that had its region, if smaller (StepLayout::Previous).
+    bytes = layout_.Previous();
+    if (bytes > 0) region = region_of(bytes);
+  }
+  layout_.Attach(region, bytes);
 }
 
 void CapuchinAllocator::EndLayoutStep(bool ok) {

@@ -139,8 +139,8 @@ class LayoutStatsOp : public OpKernel {
     StepLayout::Stats s;
     CapuchinAllocator* allocator = CapuchinAllocator::Installed();
     if (allocator != nullptr) s = allocator->LayoutStats();
-    const int64_t values[] = {s.steps,     s.region_steps, s.layouts, s.placed,      s.misses,
-                              s.fallbacks, s.region_bytes, s.planned, s.step_misses, s.attached_bytes};
+    const int64_t values[] = {s.steps,        s.region_steps, s.layouts,     s.placed,         s.misses,  s.fallbacks,
+                              s.region_bytes, s.planned,      s.step_misses, s.attached_bytes, s.previous};
     Tensor* out = nullptr;
     constexpr int64_t n = sizeof(values) / sizeof(values[0]);
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &out));

@@ -68,12 +68,14 @@ void StepLayout::InheritNext(int64_t from) {
 }
 
 void StepLayout::SwitchTo(int64_t id) {
-  if (layout_bytes_ > 0) {
+  if (layout_bytes_ > 0 || held_.bytes > 0) {
     if (kept_.size() >= kKeptLayouts) kept_.pop_front();
-    kept_.push_back(KeptLayout{layout_id_, std::move(offsets_), layout_bytes_});
+    kept_.push_back(KeptLayout{layout_id_, std::move(offsets_), layout_bytes_, layout_held_, std::move(held_)});
   }
   offsets_.clear();
   layout_bytes_ = 0;
+  layout_held_ = false;
+  held_ = HeldLayout();
   layout_id_ = id;
   const int64_t from = inherit_from_;
   inherit_from_ = -1;
@@ -81,6 +83,8 @@ void StepLayout::SwitchTo(int64_t id) {
     if (it->id != id) continue;
     offsets_ = std::move(it->offsets);
     layout_bytes_ = it->bytes;
+    layout_held_ = it->held;
+    held_ = std::move(it->previous);
     kept_.erase(it);
     break;
   }
@@ -98,6 +102,18 @@ void StepLayout::SwitchTo(int64_t id) {
 
 int64_t StepLayout::SinceBegin() const { return SteadyNs() - begin_ns_; }
 
+int64_t StepLayout::Previous() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (layout_held_ || held_.bytes <= 0 || held_.bytes >= layout_bytes_ || !active() || record_only_) return 0;
+  offsets_ = held_.offsets;
+  layout_bytes_ = held_.bytes;
+  layout_held_ = true;
+  stats_.region_bytes = layout_bytes_;
+  stats_.planned = static_cast<int64_t>(offsets_.size());
+  stats_.previous++;
+  return layout_bytes_;
+}
+
 void StepLayout::Attach(void* region, int64_t bytes) {
   if (region == nullptr) return;
   std::lock_guard<std::mutex> lock(mu_);
@@ -109,6 +125,11 @@ void StepLayout::Attach(void* region, int64_t bytes) {
   region_begin_.store(begin, std::memory_order_release);
   stats_.region_steps++;
   stats_.attached_bytes = bytes;
+  if (!layout_held_) {  // its first region: kept, for Previous
+    held_.offsets = offsets_;
+    held_.bytes = layout_bytes_;
+    layout_held_ = true;
+  }
 }
 
 std::string StepLayout::KeyOf(std::string_view op, int64_t bytes) {
@@ -437,6 +458,7 @@ void StepLayout::Layout() {
   }
   for (size_t i = 0; i < n; i++) offsets_[items[i]->key] = best[i];
   layout_bytes_ = top;
+  layout_held_ = false;
   stats_.planned = static_cast<int64_t>(n);
   stats_.region_bytes = top;
 }

@@ -68,6 +68,7 @@ class StepLayout {
     int64_t planned = 0;         // allocations the current layout places
     int64_t step_misses = 0;     // misses + fallbacks of allocations with an offset, in the last step
     int64_t attached_bytes = 0;  // the region the last step ran with (0: none)
+    int64_t previous = 0;        // steps that ran with the function's previous layout (Previous)
   };
 
   int64_t min_bytes() const { return min_bytes_; }
@@ -87,7 +88,13 @@ class StepLayout {
   // replaces another: mostly the same allocations, so its first step is placed rather than recorded on the device
   // allocator's placement; its misses make its own layout at its end).
   void InheritNext(int64_t from);
-  // The region Begin asked for (nullptr: the device had no room; the step then runs on the device allocator alone).
+  // When the device had no room for the region Begin asked for: the size of this function's last layout that had its
+  // region, now the layout again, if it is smaller than the one that found no room (0: none; nothing changes). A
+  // layout made again from a step that fell short can need more than the device has in one run, where the layout it
+  // replaces had its region in every step but that one.
+  int64_t Previous();
+  // The region Begin (or Previous) asked for (nullptr: the device had no room; the step then runs on the device
+  // allocator alone).
   void Attach(void* region, int64_t bytes);
   // An allocation of `bytes` by `op`: its place in the region, or nullptr. `*ticket` >= 0 when the allocation is
   // recorded; pass it to Bind with the pointer the device allocator gave instead. `*planned`: the layout has an
@@ -154,10 +161,19 @@ class StepLayout {
   int64_t layout_bytes_ = 0;
   // The layouts of other functions, set aside when a step of another function began (steps of two functions that
   // take turns, two input signatures or two managed steps, each keep theirs), at most kKeptLayouts, oldest out.
+  // The last layout of a function that had its region (Previous).
+  struct HeldLayout {
+    std::unordered_map<std::string, int64_t> offsets;
+    int64_t bytes = 0;
+  };
+  bool layout_held_ = false;  // the layout had its region in a step (held_ is a copy of it)
+  HeldLayout held_;
   struct KeptLayout {
     int64_t id;
     std::unordered_map<std::string, int64_t> offsets;
     int64_t bytes;
+    bool held;
+    HeldLayout previous;
   };
   static constexpr size_t kKeptLayouts = 8;
   std::deque<KeptLayout> kept_;

@@ -294,7 +294,7 @@ REGISTER_OP("Capuchin>LayoutStats")
     .Output("stats: int64")
     .Attr(
         "fields: list(string) = ['steps', 'region_steps', 'layouts', 'placed', 'misses', 'fallbacks', "
-        "'region_bytes', 'planned', 'step_misses', 'attached_bytes']")
+        "'region_bytes', 'planned', 'step_misses', 'attached_bytes', 'previous']")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
