@@ -86,7 +86,7 @@ class StepLayout {
   int64_t Begin(int64_t id, bool record_only = false);
   // The next Begin of a function that has no layout of its own starts from a copy of function `from`'s (a plan that
   // replaces another: mostly the same allocations, so its first step is placed rather than recorded on the device
-  // allocator's placement; its misses make its own layout at its end).
+  // allocator's placement; where it falls short, its own layout is made at its end).
   void InheritNext(int64_t from);
   // When the device had no room for the region Begin asked for: the size of this function's last layout that had its
   // region, now the layout again, if it is smaller than the one that found no room (0: none; nothing changes). A
@@ -159,15 +159,15 @@ class StepLayout {
   int64_t layout_id_ = -1;
   std::unordered_map<std::string, int64_t> offsets_;
   int64_t layout_bytes_ = 0;
-  // The layouts of other functions, set aside when a step of another function began (steps of two functions that
-  // take turns, two input signatures or two managed steps, each keep theirs), at most kKeptLayouts, oldest out.
-  // The last layout of a function that had its region (Previous).
+  // The last layout of the function that had its region (Previous).
   struct HeldLayout {
     std::unordered_map<std::string, int64_t> offsets;
     int64_t bytes = 0;
   };
   bool layout_held_ = false;  // the layout had its region in a step (held_ is a copy of it)
   HeldLayout held_;
+  // The layouts of other functions, set aside when a step of another function began (steps of two functions that
+  // take turns, two input signatures or two managed steps, each keep theirs), at most kKeptLayouts, oldest out.
   struct KeptLayout {
     int64_t id;
     std::unordered_map<std::string, int64_t> offsets;
