@@ -1104,7 +1104,7 @@ args = (u(64, 512), u(512, 512), u(256, 384), u(384, 256))
 for f in steps:
     f(*args)  # instantiated outside the layout
 out = {"stats": []}
-# One function id: the same keys, other lifetimes. (2, 3): the device's room held down to 3 MiB beside what is in use.
+# One function id: the same keys, other lifetimes. (0, 3): the device's room held down to 3 MiB beside what is in use.
 for keep, room_mb in ((0, 0), (0, 0), (1, 0), (1, 0), (2, 0), (0, 3), (2, 0), (2, 0)):
     if room_mb:
         ops.set_memory_budget(ops.allocator_stats()["bytes_in_use"] + (room_mb << 20))
